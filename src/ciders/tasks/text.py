@@ -1,0 +1,175 @@
+"""Prompt/response text data for causal-LM training and evaluation.
+
+Records become (prompt, response) pairs; tokenization masks the prompt out of the labels so that the
+loss and the perplexity count response tokens only (SPEC 1.3 "Losses"). Malformed records are
+counted by reason and reported, never silently dropped. The task layer of a later issue builds on
+these functions (formats, splits, partitions).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ciders.errors import CidersError
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    response: str
+
+
+@dataclass
+class DataReport:
+    """What happened to the records of one file."""
+
+    source: str
+    records: int = 0
+    kept: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "records": self.records, "kept": self.kept,
+                "truncated": self.truncated, "skipped": dict(self.skipped)}
+
+    def summary(self) -> str:
+        s = f"{self.source}: {self.kept}/{self.records} records used"
+        if self.truncated:
+            s += f", {self.truncated} truncated"
+        if self.skipped:
+            s += ", skipped " + ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items()))
+        return s
+
+
+def read_records(path: str | Path, report: DataReport | None = None) -> list[dict]:
+    """JSON Lines (optionally .gz). Undecodable or non-object lines are counted, not fatal."""
+    path = Path(path)
+    if not path.is_file():
+        raise CidersError(f"data file not found: {path}")
+    report = report if report is not None else DataReport(str(path))
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            report.records += 1
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                report.skipped["non-UTF-8"] += 1
+                continue
+            except json.JSONDecodeError:
+                report.skipped["invalid JSON"] += 1
+                continue
+            if not isinstance(rec, dict):
+                report.skipped["not a JSON object"] += 1
+                continue
+            out.append(rec)
+    return out
+
+
+def detect_format(rec: dict) -> str:
+    if "question" in rec and "answer" in rec:
+        return "gsm8k"
+    if "instruction" in rec and "response" in rec:
+        return "instruction"
+    raise CidersError(f"cannot tell the record format from keys {sorted(rec)}; set data.format")
+
+
+def to_example(rec: dict, fmt: str) -> Example | str:
+    """An Example, or the reason the record is unusable."""
+    if fmt == "gsm8k":
+        q, a = rec.get("question"), rec.get("answer")
+        if not isinstance(q, str) or not isinstance(a, str):
+            return "missing question/answer"
+        if not a.strip():
+            return "empty response"
+        return Example(f"Question: {q.strip()}\nAnswer:", " " + a.strip())
+    if fmt == "instruction":
+        ins, ctx, resp = rec.get("instruction"), rec.get("context", ""), rec.get("response")
+        if not isinstance(ins, str) or not isinstance(resp, str) or not isinstance(ctx, (str, type(None))):
+            return "missing instruction/response"
+        if not resp.strip():
+            return "empty response"
+        prompt = f"### Instruction:\n{ins.strip()}\n"
+        if ctx and ctx.strip():
+            prompt += f"\n### Input:\n{ctx.strip()}\n"
+        return Example(prompt + "\n### Response:\n", resp.strip())
+    raise CidersError(f"data.format: unknown format {fmt!r} (use gsm8k or instruction)")
+
+
+def load_examples(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tuple[list[Example], DataReport]:
+    report = DataReport(str(path))
+    recs = read_records(path, report)
+    if not recs:
+        raise CidersError(f"{path}: no usable records ({report.summary()})")
+    fmt = detect_format(recs[0]) if fmt == "auto" else fmt
+    out: list[Example] = []
+    for rec in recs:
+        if limit is not None and len(out) >= limit:
+            break
+        ex = to_example(rec, fmt)
+        if isinstance(ex, str):
+            report.skipped[ex] += 1
+        else:
+            out.append(ex)
+    report.kept = len(out)
+    if not out:
+        raise CidersError(f"{path}: no usable records ({report.summary()})")
+    return out, report
+
+
+def tokenize(examples: Sequence[Example], tokenizer: Any, max_length: int, report: DataReport | None = None) -> list[dict]:
+    """Each example -> {input_ids, labels} (lists of ints); labels are IGNORE on prompt tokens.
+    Appends EOS so the model learns to stop. Over-long examples are truncated from the right and
+    counted; an example whose prompt alone fills max_length keeps no response token and is skipped."""
+    eos = tokenizer.eos_token_id
+    feats = []
+    for ex in examples:
+        p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(ex.response, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        ids = p + r
+        labels = [IGNORE] * len(p) + r
+        if len(ids) > max_length:
+            ids, labels = ids[:max_length], labels[:max_length]
+            if report is not None:
+                report.truncated += 1
+        if all(t == IGNORE for t in labels[1:]):
+            if report is not None:
+                report.skipped["prompt fills max_length"] += 1
+            continue
+        feats.append({"input_ids": ids, "labels": labels})
+    if report is not None:
+        report.kept = len(feats)
+    return feats
+
+
+def collate(features: Sequence[dict], pad_id: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, labels (IGNORE on padding)."""
+    n = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(features), n), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(features), n), dtype=torch.long)
+    for i, f in enumerate(features):
+        k = len(f["input_ids"])
+        ids[i, :k] = torch.tensor(f["input_ids"])
+        labels[i, :k] = torch.tensor(f["labels"])
+        mask[i, :k] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def batches(features: Sequence[dict], batch_size: int, pad_id: int, device=None) -> Iterable[dict[str, torch.Tensor]]:
+    for i in range(0, len(features), batch_size):
+        yield collate(features[i : i + batch_size], pad_id, device)

