@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ciders: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `ciders config --keys | head`
+        return 0
 
 
 if __name__ == "__main__":

@@ -100,3 +100,25 @@ def test_save_is_atomic_and_replaces(tmp_path):
     got = d2.read_adapter(p, "messenger")
     assert all(torch.equal(got[k], v) for k, v in d.messenger_state().items())
     assert [x.name for x in tmp_path.iterdir()] == ["m"]  # no temporary leftovers
+
+
+def test_functional_call_names_drive_every_path():
+    """`param_names` maps canonical keys to each model's parameter names, so algorithms can evaluate
+    a messenger state functionally (torch.func.functional_call) without loading it."""
+    from torch.func import functional_call
+
+    d = tiny("tiny-llama")
+    randomize_lora(d)
+    other = {k: torch.randn_like(v) * 0.1 for k, v in d.messenger_state().items()}
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        got = {}
+        for label, model in (("emu", d.adapemu), ("fu", d.adapfu)):
+            names = d.param_names("messenger", model)
+            assert set(names) == set(other)
+            got[label] = functional_call(model, {names[k]: v for k, v in other.items()}, (ids,)).logits
+        d.load_messenger(other)
+        torch.testing.assert_close(got["emu"], d.adapemu(ids).logits)
+        torch.testing.assert_close(got["fu"], d.adapfu(ids).logits)
+    names = d.param_names("student", d.adapemu)
+    assert set(names) == set(d.student_state()) and all(".student." in n for n in names.values())

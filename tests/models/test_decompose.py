@@ -35,7 +35,7 @@ def test_parts_share_storage_and_renumber(name):
     d = tiny(name)
     s = d.split
     assert len(d.backbone_full) == s.teacher_layers and len(d.messenger) == 2 and len(d.student) == s.student_layers
-    for shell in (d.adapemu, d.teacher_top):
+    for shell in (d.adapemu, d.messenger_top):
         assert shell.model.embed_tokens is d.base.model.embed_tokens
         assert shell.model.norm is d.base.model.norm and shell.lm_head is d.base.lm_head
         assert shell.model.rotary_emb is d.base.model.rotary_emb
@@ -67,7 +67,7 @@ def test_qwen2_layer_types_follow_the_kept_layers():
     d = decompose(m, 2, student_layers=3)
     s = d.split
     assert d.adapemu.config.layer_types == [types[i] for i in s.student_indices + s.messenger_indices]
-    assert d.teacher_top.config.layer_types == types[4:]
+    assert d.messenger_top.config.layer_types == types[4:]
 
 
 @pytest.mark.parametrize("name", ARCHS)

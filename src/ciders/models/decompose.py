@@ -6,6 +6,8 @@ composite deployment paths:
                         (this is also the TAKD teacher M* = P_M o B_F).
   AdapEmu = P_M o B_L : a second HF model of the same class whose decoder stack is
                         [B_L layers] + [messenger layers]; the edge model M_i.
+  messenger_top       : a third, over the messenger layers only, fed hidden states as inputs_embeds:
+                        the messenger + head as a function of the backbone output.
 
 Nothing large is copied. Embeddings, final norm, rotary embedding and LM head are the same module
 objects in every path. A B_L layer is a new module whose base weights are the very Parameters of
@@ -87,7 +89,8 @@ class Decomposition:
 
     base: nn.Module  # M* with messenger LoRA in its top layers; == AdapFu
     adapemu: nn.Module  # [B_L] + [P_M]
-    teacher_top: nn.Module  # [P_M] only: M*(x) from cached B_F(x) via inputs_embeds
+    messenger_top: nn.Module  # [P_M] + norm + head over given hidden states (inputs_embeds): M*(x) from
+    #                           cached B_F(x) in TAKD; M_i(x) from B_L(x), which is frozen within a round
     split: Split
     messenger_lora: LoraConfig | None
     student_lora: LoraConfig | None
@@ -219,10 +222,10 @@ def decompose(
     adapemu = _composite(model, list(split.student_indices) + msg_idx, layers)
     if student_lora is not None:
         ad.inject_lora(adapemu, student_lora, range(n_s), STUDENT, seed=seed + 1)
-    teacher_top = _composite(model, msg_idx, layers)
-    for m in (model, adapemu, teacher_top):
+    messenger_top = _composite(model, msg_idx, layers)
+    for m in (model, adapemu, messenger_top):
         m.eval()
-    d = Decomposition(model, adapemu, teacher_top, split, messenger_lora, student_lora, model_name)
+    d = Decomposition(model, adapemu, messenger_top, split, messenger_lora, student_lora, model_name)
     d.set_trainable(messenger=True, student=True)
     return d
 

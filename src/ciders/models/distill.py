@@ -12,7 +12,7 @@ KL is forward KL over the vocabulary per position, teacher first, averaged over 
 
 B_F(x) does not depend on anything that trains, so it is computed once per public example
 (`TeacherCache`) and M*(x) is then recomputed each step from it through the messenger alone
-(`Decomposition.teacher_top`), skipping the n-a backbone layers.
+(`Decomposition.messenger_top`), skipping the n-a backbone layers.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def teacher_forward(d: Decomposition, batch: dict, need_logits: bool,
             return out.hidden_states[k], out.logits
         if not need_logits:
             return h_teacher, None
-        logits = d.teacher_top(inputs_embeds=h_teacher.to(d.base.dtype), attention_mask=batch["attention_mask"]).logits
+        logits = d.messenger_top(inputs_embeds=h_teacher.to(d.base.dtype), attention_mask=batch["attention_mask"]).logits
         return h_teacher, logits
 
 
