@@ -42,6 +42,35 @@ def _cmd_distill(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(a: argparse.Namespace) -> int:
+    from ciders.engines.llm_task import LLMTask, render
+    from ciders.engines.local import RunDir, run_federation
+
+    cfg = _load_cfg(a)
+    out = Path(a.out) if a.out else Path("runs") / cfg.name
+    done = RunDir(out).committed()
+    if done is not None and not a.resume:
+        raise CidersError(f"{out} already holds a run (round {done} committed); pass --resume to continue it "
+                          "or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    summary = run_federation(cfg, LLMTask(cfg, out), out, resume=a.resume)
+    print(render(summary))
+    print(f"run directory: {out}")
+    return 0
+
+
+def _cmd_theory(a: argparse.Namespace) -> int:
+    from ciders.engines.theory import run_theory
+
+    for row in run_theory(a.clients, a.dim, a.K, a.eta, a.gamma, a.alpha, a.eps_prox, a.rounds, a.loss, a.seed, a.tau):
+        if a.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"round {row['round']:4d}  DR {row['dr']:+.6f} (1-psi {row['dr_pred']:+.6f})  "
+                  f"PPR {row['ppr']:.6f} (psi {row['psi']:.6f})")
+    return 0
+
+
 def _cmd_export(a: argparse.Namespace) -> int:
     from ciders.config import load_config
     from ciders.engines.prealign import build
@@ -52,12 +81,30 @@ def _cmd_export(a: argparse.Namespace) -> int:
         raise CidersError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml")
     d, tok = build(cfg)
-    messenger = d.read_adapter(Path(a.messenger) if a.messenger else run / "adapters" / "messenger", "messenger")
+    if a.client:
+        messenger = _personalized(run, a.client, d)
+    else:
+        messenger = d.read_adapter(Path(a.messenger) if a.messenger else run / "adapters" / "messenger", "messenger")
     student = d.read_adapter(run / "adapters" / "student", "student")
     out = export_edge_model(d, a.out, messenger=messenger, student=student, tokenizer=tok,
                             meta={"run_dir": str(run.resolve())})
     print(f"edge model ({d.split.edge_layers} layers, LoRA merged) written to {out}")
     return 0
+
+
+def _personalized(run: Path, client: str, d) -> dict:
+    from ciders.algorithms.ciders import client_from_record
+    from ciders.core.store import RoundStore
+    from ciders.engines.local import RunDir
+    from ciders.models.adapters import check_state
+
+    committed = RunDir(run).committed()
+    rec = RoundStore(run / "clients", committed if committed is not None else -1).get(client) if (run / "clients").is_dir() else None
+    st = client_from_record(*rec) if rec else None
+    if st is None or st.personalized is None:
+        raise CidersError(f"{run}: client {client!r} has no personalized messenger (never trained in this run)")
+    check_state(d.messenger_params(), st.personalized, f"client {client}")
+    return st.personalized
 
 
 def _cmd_config(a: argparse.Namespace) -> int:
@@ -120,10 +167,34 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--out", help="run directory (default runs/<name>)")
         p.set_defaults(fn=fn)
 
+    p = sub.add_parser("run", help="a CIDERS federation on the in-process engine")
+    p.add_argument("config", help="experiment YAML")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", help="run directory (default runs/<name>)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("theory", help="SPEC 1.5 on synthetic clients: measured DR/PPR vs psi_t per round")
+    p.add_argument("--clients", type=int, default=5)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--K", type=int, default=5)
+    p.add_argument("--eta", type=float, default=0.05)
+    p.add_argument("--gamma", type=float, default=0.5)
+    p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--eps-prox", type=float, default=0.0)
+    p.add_argument("--tau", type=float, default=0.02)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--loss", choices=("linear", "quadratic"), default="linear")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per round")
+    p.set_defaults(fn=_cmd_theory)
+
     p = sub.add_parser("export", help="write the edge model (AdapEmu, LoRA merged) as a plain HF directory")
     p.add_argument("run_dir")
     p.add_argument("--out", required=True)
-    p.add_argument("--messenger", help="PEFT messenger directory to use instead of the run's (e.g. a personalized one)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--messenger", help="PEFT messenger directory to use instead of the run's global one")
+    g.add_argument("--client", help="use this client's personalized messenger from the run's client store")
     p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with its default and help")

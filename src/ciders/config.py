@@ -157,9 +157,74 @@ class TAKDConfig:
 
 
 @dataclass(frozen=True)
+class CidersConfig:
+    """Client and server update rules of CIDERS (SPEC 1.3-1.4); paper values in the help texts."""
+
+    local_steps: int = opt(10, "K: optimizer updates per client per round (paper: 10 Protocol A, 20 Protocol B)")
+    grad_accum: int = opt(1, "micro-batches averaged into one optimizer update")
+    batch_size: int = opt(2, "examples per micro-batch")
+    optimizer: Literal["sgd", "adamw"] = opt("adamw", "OPTIM of Eq. 4 (paper: AdamW)")
+    lr: float = opt(1e-4, "eta: base learning rate (paper 1e-4)")
+    weight_decay: float = opt(0.01, "AdamW decoupled weight decay / SGD L2 (paper 0.01)")
+    max_grad_norm: float = opt(1.0, "global-norm clipping of g_traj before the optimizer (paper 1.0); 0 = off")
+    schedule: Literal["constant", "warmup_cosine"] = opt(
+        "warmup_cosine", "lr schedule over the run's client steps (round * K + k); eta_in follows it too")
+    warmup_steps: int = opt(0, "linear warmup steps of warmup_cosine")
+    min_lr_ratio: float = opt(0.0, "warmup_cosine floor as a fraction of lr")
+    eta_in: float | None = opt(None, "inner look-ahead step of Eq. 6 at the base lr (null = lr); 0 turns it off")
+    metagrad: Literal["fo", "fd"] = opt("fo", "first-order (default) or finite-difference HVP meta-gradient")
+    eps_fd: float = opt(1e-4, "central-difference step of Eq. 7 (paper 1e-4)")
+    fd_eta: float | None = opt(None, "eta_HVP of the FD correction (paper 0.001; null = eta_in)")
+    gamma: float = opt(0.01, "consensus-correction coefficient in [0, 1] (paper 0.01 Qwen2.5-3B / 0.05 Qwen2-1.5B)")
+    gamma_schedule: Literal["constant", "protocol_c"] = opt(
+        "constant", "protocol_c: gamma_0 = gamma_1 = 0.9, gamma_t = max(0.01, 0.9 * 0.86^(t-1))")
+    alpha: float = opt(0.002, "alpha_c: consensus EMA coefficient in (0, 1] (paper 0.002)")
+    tau: float = opt(0.02, "server aggregation step of Eq. 12 (paper 0.02)")
+    eps_prox: float = opt(0.01, "proximal anchoring weight of Eq. 4 (paper 0.01)")
+    weighting: Literal["size", "uniform"] = opt("size", "p_i = |D_i| / sum |D_j| over repliers, or uniform")
+    upload_personalized_messenger: bool = opt(
+        False, "also upload the client's messenger (needed for server-side cross-domain evaluation)")
+
+    def validate(self) -> None:
+        w = "algorithm"
+        if self.local_steps < 1:
+            raise ConfigError(f"{w}.local_steps: K must be >= 1, got {self.local_steps}")
+        for k in ("grad_accum", "batch_size"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"{w}.{k}: must be >= 1, got {getattr(self, k)}")
+        if not 0 <= self.gamma <= 1:
+            raise ConfigError(f"{w}.gamma: must be in [0, 1], got {self.gamma}")
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"{w}.alpha: must be in (0, 1], got {self.alpha}")
+        if self.tau <= 0:
+            raise ConfigError(f"{w}.tau: must be > 0, got {self.tau}")
+        if self.lr <= 0:
+            raise ConfigError(f"{w}.lr: must be > 0, got {self.lr}")
+        for k in ("weight_decay", "max_grad_norm", "eps_prox", "warmup_steps"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"{w}.{k}: must be >= 0, got {getattr(self, k)}")
+        if self.eta_in is not None and self.eta_in < 0:
+            raise ConfigError(f"{w}.eta_in: must be >= 0 or null, got {self.eta_in}")
+        if self.fd_eta is not None and self.fd_eta < 0:
+            raise ConfigError(f"{w}.fd_eta: must be >= 0 or null, got {self.fd_eta}")
+        if self.eps_fd <= 0:
+            raise ConfigError(f"{w}.eps_fd: must be > 0, got {self.eps_fd}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{w}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        _choice(f"{w}.optimizer", self.optimizer, ("sgd", "adamw"))
+        _choice(f"{w}.schedule", self.schedule, ("constant", "warmup_cosine"))
+        _choice(f"{w}.metagrad", self.metagrad, ("fo", "fd"))
+        _choice(f"{w}.gamma_schedule", self.gamma_schedule, ("constant", "protocol_c"))
+        _choice(f"{w}.weighting", self.weighting, ("size", "uniform"))
+
+
+@dataclass(frozen=True)
 class DataConfig:
     public: str = opt("data/gsm8k-slice/public.jsonl", "server public (distillation) data: jsonl or jsonl.gz")
-    eval: str = opt("data/gsm8k-slice/eval.jsonl", "held-out evaluation data (disjoint from public)")
+    eval: str = opt("data/gsm8k-slice/eval.jsonl", "global held-out evaluation data (disjoint from public)")
+    clients: str | None = opt("data/gsm8k-slice/clients.jsonl", "client training data for partition: iid")
+    client_files: tuple[str, ...] = opt((), "one file per client for partition: files (e.g. one domain each)")
+    clients_limit: int | None = opt(None, "use only the first N records of each client source")
     format: Literal["auto", "gsm8k", "instruction"] = opt(
         "auto", "record format: gsm8k {question, answer}; instruction {instruction, context, response}"
     )
@@ -171,13 +236,41 @@ class DataConfig:
     def validate(self) -> None:
         if self.max_length < 8:
             raise ConfigError(f"data.max_length: must be >= 8, got {self.max_length}")
-        for k in ("public_limit", "eval_limit"):
+        for k in ("public_limit", "eval_limit", "clients_limit"):
             v = getattr(self, k)
             if v is not None and v < 1:
                 raise ConfigError(f"data.{k}: must be >= 1 or null, got {v}")
         if self.eval_batch_size < 1:
             raise ConfigError(f"data.eval_batch_size: must be >= 1, got {self.eval_batch_size}")
         _choice("data.format", self.format, ("auto", "gsm8k", "instruction"))
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    clients: int = opt(3, "number of registered clients N")
+    partition: Literal["iid", "files"] = opt("iid", "iid: seeded split of data.clients; files: data.client_files[i] is client i")
+    holdout: float = opt(0.2, "fraction of each client's examples held out for its personalized evaluation")
+    per_round: int | None = opt(None, "clients sampled per round (partial participation); null = all")
+    rounds: int = opt(3, "T: communication rounds")
+    eval_every: int = opt(1, "evaluate every N rounds (0 = only before the first and after the last)")
+    eval_clients: Literal["all", "participants"] = opt("all", "whose personalized messengers to evaluate")
+    checkpoint_keep: int = opt(2, "checkpoints kept in the run directory")
+    store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
+
+    def validate(self) -> None:
+        if self.clients < 1:
+            raise ConfigError(f"federation.clients: must be >= 1, got {self.clients}")
+        if self.rounds < 1:
+            raise ConfigError(f"federation.rounds: must be >= 1, got {self.rounds}")
+        if self.per_round is not None and not 1 <= self.per_round <= self.clients:
+            raise ConfigError(f"federation.per_round: must be in [1, clients={self.clients}] or null, got {self.per_round}")
+        if not 0 <= self.holdout < 1:
+            raise ConfigError(f"federation.holdout: must be in [0, 1), got {self.holdout}")
+        for k in ("eval_every", "checkpoint_keep", "store_cache"):
+            if getattr(self, k) < (0 if k == "eval_every" else 1):
+                raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
+        _choice("federation.partition", self.partition, ("iid", "files"))
+        _choice("federation.eval_clients", self.eval_clients, ("all", "participants"))
 
 
 @dataclass(frozen=True)
@@ -190,13 +283,21 @@ class ExperimentConfig:
     decomposition: DecompositionConfig = section(DecompositionConfig, "Algorithm 1: messenger / B_F / B_L split")
     lora: AdaptersConfig = section(AdaptersConfig, "PEFT LoRA for the messenger and for B_L")
     takd: TAKDConfig = section(TAKDConfig, "server-side task-aware distillation (Eq. 2)")
-    data: DataConfig = section(DataConfig, "public and evaluation data")
+    data: DataConfig = section(DataConfig, "public, client and evaluation data")
+    algorithm: CidersConfig = section(CidersConfig, "CIDERS client/server update rules (SPEC 1.3-1.4)")
+    federation: FederationConfig = section(FederationConfig, "clients, partition, rounds, sampling, evaluation")
 
     def validate(self) -> "ExperimentConfig":
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):
                 v.validate()
+        fed, data = self.federation, self.data
+        if fed.partition == "files" and len(data.client_files) != fed.clients:
+            raise ConfigError(f"federation.partition=files needs one data.client_files entry per client "
+                              f"({fed.clients}), got {len(data.client_files)}")
+        if fed.partition == "iid" and not data.clients:
+            raise ConfigError("federation.partition=iid needs data.clients (a jsonl file to split)")
         return self
 
 

@@ -69,8 +69,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     cfg.write_text(TINY.replace("public_limit: 24", "public_limt: 24"))
     assert main(["distill", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "ciders: error: unknown config key 'data.public_limt' (known keys here: public, eval, format, " \
-                  "max_length, public_limit, eval_limit, eval_batch_size)"
+    assert err.startswith("ciders: error: unknown config key 'data.public_limt' (known keys here: public, eval,")
+    assert "public_limit" in err and "\n" not in err
     cfg.write_text(TINY.replace("gsm8k-slice/eval.jsonl", "nope.jsonl"))
     assert main(["distill", str(cfg), "--out", str(tmp_path / "x")]) == 2
     assert "data file not found" in capsys.readouterr().err

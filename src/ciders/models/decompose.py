@@ -8,6 +8,8 @@ composite deployment paths:
                         [B_L layers] + [messenger layers]; the edge model M_i.
   messenger_top       : a third, over the messenger layers only, fed hidden states as inputs_embeds:
                         the messenger + head as a function of the backbone output.
+  student_stack       : a fourth, over B_L only: B_L(x) in one no-grad pass (clients reuse it for every
+                        gradient evaluation of a step, since B_L is frozen within a round).
 
 Nothing large is copied. Embeddings, final norm, rotary embedding and LM head are the same module
 objects in every path. A B_L layer is a new module whose base weights are the very Parameters of
@@ -91,6 +93,7 @@ class Decomposition:
     adapemu: nn.Module  # [B_L] + [P_M]
     messenger_top: nn.Module  # [P_M] + norm + head over given hidden states (inputs_embeds): M*(x) from
     #                           cached B_F(x) in TAKD; M_i(x) from B_L(x), which is frozen within a round
+    student_stack: nn.Module  # [B_L] only; its last hidden state (un-normed) is B_L(x), the messenger input
     split: Split
     messenger_lora: LoraConfig | None
     student_lora: LoraConfig | None
@@ -115,6 +118,13 @@ class Decomposition:
     def student(self) -> nn.ModuleList:
         """B_L: layers 0..n'-1 of AdapEmu."""
         return self.adapemu.model.layers[: self.split.student_layers]
+
+    def backbone_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """B_L(x) [B, T, H] without gradients."""
+        n = self.split.student_layers
+        with torch.no_grad():
+            out = self.student_stack.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=[n])
+        return out.hidden_states[n]
 
     @property
     def device(self) -> torch.device:
@@ -223,9 +233,11 @@ def decompose(
     if student_lora is not None:
         ad.inject_lora(adapemu, student_lora, range(n_s), STUDENT, seed=seed + 1)
     messenger_top = _composite(model, msg_idx, layers)
-    for m in (model, adapemu, messenger_top):
+    student_stack = _composite(adapemu, list(range(n_s)), adapemu.model.layers)
+    student_stack.config.tie_last_hidden_states = False  # hidden_states[-1] = raw B_L output, not normed
+    for m in (model, adapemu, messenger_top, student_stack):
         m.eval()
-    d = Decomposition(model, adapemu, messenger_top, split, messenger_lora, student_lora, model_name)
+    d = Decomposition(model, adapemu, messenger_top, student_stack, split, messenger_lora, student_lora, model_name)
     d.set_trainable(messenger=True, student=True)
     return d
 

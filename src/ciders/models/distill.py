@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ciders.config import TAKDConfig
+from ciders.core import optim
 from ciders.errors import CidersError
 from ciders.eval.metrics import token_nll
 from ciders.fileio import atomic_dir
@@ -166,7 +167,7 @@ class TeacherCache:
         from safetensors import safe_open
 
         with safe_open(str(self._files[k // self.CHUNK]), framework="pt") as f:
-            return f.get_tensor(f"e{k}")
+            return f.get_tensor(f"e{k}").clone()
 
     def gather(self, indices: Sequence[int], device: torch.device) -> torch.Tensor:
         """[B, max len, H] right-padded with zeros (padding positions are masked in every loss)."""
@@ -186,12 +187,29 @@ class TAKDState:
     """Explicit state of the server's distillation: the student LoRA, AdamW moments, step count."""
 
     student: State
-    optimizer: dict = field(default_factory=dict)  # torch AdamW state_dict over student params in key order
+    optimizer: dict = field(default_factory=dict)  # core.optim AdamW state {t, m, v}; {} before the first step
     step: int = 0
 
 
 def init_state(d: Decomposition) -> TAKDState:
     return TAKDState(student=d.student_state())
+
+
+def takd_record(s: TAKDState) -> tuple[dict, dict]:
+    """Flat tensors + JSON meta for checkpoints."""
+    t = {f"student/{k}": v for k, v in s.student.items()}
+    if s.optimizer:
+        t.update({f"takd_m/{k}": v for k, v in s.optimizer["m"].items()})
+        t.update({f"takd_v/{k}": v for k, v in s.optimizer["v"].items()})
+    return t, {"takd_step": s.step, "takd_t": s.optimizer.get("t") if s.optimizer else None}
+
+
+def takd_from_record(t: dict, meta: dict) -> TAKDState:
+    def part(p):
+        return {k[len(p) + 1 :]: v for k, v in t.items() if k.startswith(p + "/")}
+
+    opt = {} if meta.get("takd_t") is None else {"t": meta["takd_t"], "m": part("takd_m"), "v": part("takd_v")}
+    return TAKDState(part("student"), opt, meta["takd_step"])
 
 
 def sample_indices(n: int, batch_size: int, seed: int, position: int) -> list[int]:
@@ -230,9 +248,7 @@ def distill(
     d.load_messenger(messenger)
     d.load_student(state.student)
     params = d.student_params()
-    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if state.optimizer:
-        opt.load_state_dict(copy.deepcopy(state.optimizer))
+    opt_state = copy.deepcopy(state.optimizer) if state.optimizer else optim.adamw_init(state.student)
     flags = {id(p): p.requires_grad for p in list(params.values()) + list(d.messenger_params().values())}
     d.set_trainable(messenger=False, student=True)
     d.adapemu.eval()
@@ -240,10 +256,12 @@ def distill(
         layer.train()  # LoRA dropout on B_L only; the messenger is a fixed function here
     history = []
     devices = [d.device] if d.device.type == "cuda" else []
+    student = {k: p.detach().clone() for k, p in params.items()}
     try:
         for s in range(state.step, state.step + steps):
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
+            for p in params.values():
+                p.grad = None
             acc = {"loss": 0.0, "hidden": 0.0, "kl": 0.0, "ce": 0.0}
             for micro in range(cfg.grad_accum):
                 idx = sample_indices(len(features), cfg.batch_size, seed, s * cfg.grad_accum + micro)
@@ -257,12 +275,10 @@ def distill(
                     acc[k] += float(terms[k].detach()) / cfg.grad_accum
             if not math.isfinite(acc["loss"]):
                 raise CidersError(f"TAKD step {s}: loss is {acc['loss']}; lower takd.lr or check the data")
-            ps = list(params.values())
-            if cfg.max_grad_norm > 0:
-                gn = float(torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm))
-            else:
-                gn = float(torch.norm(torch.stack([p.grad.norm() for p in ps if p.grad is not None])))
-            opt.step()
+            grads = {k: p.grad for k, p in params.items()}
+            grads, gn = optim.clip_by_global_norm(grads, cfg.max_grad_norm)
+            student, opt_state = optim.adamw_step(student, grads, opt_state, cfg.lr, weight_decay=cfg.weight_decay)
+            d.load_student(student)
             rec = {"step": s, **acc, "grad_norm": gn, "lr": cfg.lr, "seconds": time.perf_counter() - t0}
             history.append(rec)
             if on_step:
@@ -273,5 +289,5 @@ def distill(
         for p in list(params.values()) + list(d.messenger_params().values()):
             p.requires_grad_(flags[id(p)])
             p.grad = None
-    new = TAKDState(student=d.student_state(), optimizer=copy.deepcopy(opt.state_dict()), step=state.step + steps)
+    new = TAKDState(student=student, optimizer=opt_state, step=state.step + steps)
     return new, history

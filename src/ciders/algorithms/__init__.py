@@ -1,0 +1,1 @@
+"""Update rules, one module per paper: pure functions over explicit state (dataclasses)."""

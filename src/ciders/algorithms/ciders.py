@@ -1,0 +1,363 @@
+"""CIDERS client and server updates (paper Sec. IV-B/C, Algorithm 2; SPEC 1.3-1.4).
+
+Model-agnostic: parameters are a named tensor dict and `loss_fn(params, batch) -> scalar` (autograd
+gives gradients), so the same functions run an LLM messenger and a plain vector (`ciders theory`).
+
+Client i, round t, from w = w_PM^(t), K optimizer updates:
+  g_k     = meta-gradient at x_k (FO or FD, Eqs. 5-7; `ciders.core.metagrad`)
+  g_traj  = g_k + gamma (c - c_i) + eps_prox (x_k - w)                     (Eq. 4)
+  x_{k+1} = OPTIM(x_k, clip(g_traj))                                        (SGD or AdamW)
+then Delta_i (Eq. 8, eta_bar = mean of the round's K learning rates), c_i' (Eq. 9), upload dc_i (Eq. 10).
+Server: Eq. 11 reconstruction from its copy of c_i, Eq. 12 aggregation. TAKD (Eq. 13) is the LLM layer's
+job, after `server_update`.
+
+Consensus bookkeeping survives faults (lost, duplicated or late uploads, client restarts): every copy
+of c_i carries a version. The client does not change its committed c_i when it uploads; it keeps the
+increment as *pending*. The server applies an upload only if it is for the current round and was
+computed from the server's current version; the next broadcast to that client carries the server's
+version, from which the client commits (server applied it) or drops (server did not) the pending
+increment. Any other mismatch (e.g. a client restored from an old snapshot) makes the client ask for
+a resync, and its next broadcast carries the server's copy. Both copies stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ciders.config import CidersConfig
+from ciders.core import consensus as cs
+from ciders.core import optim
+from ciders.core.diagnostics import RoundStats
+from ciders.core.metagrad import fd_class, metagrad
+from ciders.core.schedules import gamma_at, lr_at
+from ciders.core.tensors import State, clone, lincomb, norm, zeros_like
+
+LossFn = Callable[[State, Any], torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """What client i receives at the start of round t (per client: version / resync differ)."""
+
+    round: int
+    messenger: State
+    c: State
+    gamma: float
+    lrs: tuple[float, ...]  # learning rate of each of the K optimizer updates
+    eta_ins: tuple[float, ...]  # look-ahead step of each update (same schedule)
+    version: int = 0  # server's committed version of this client's c_i
+    resync: State | None = None  # the server's copy of c_i, sent only after a mismatch
+
+
+@dataclass(frozen=True)
+class Upload:
+    client_id: str
+    round: int
+    base_version: int
+    n_examples: int
+    dc: State | None = None  # Eq. 10; None for a resync request
+    resync_request: bool = False
+    personalized: State | None = None  # x_K, only with upload_personalized_messenger
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An uploaded increment the server has not acknowledged yet."""
+
+    dc: State
+    base_version: int
+    round: int
+
+
+@dataclass(frozen=True)
+class ClientState:
+    client_id: str
+    n_examples: int
+    c_i: State  # committed local consensus variate
+    version: int = 0
+    pending: Pending | None = None
+    personalized: State | None = None  # x_K of the last participation (the personalized messenger)
+
+
+@dataclass(frozen=True)
+class ServerCopy:
+    """The server's copy of one client's c_i."""
+
+    c_i: State
+    version: int = 0
+    needs_resync: bool = False
+
+
+@dataclass(frozen=True)
+class ServerState:
+    round: int
+    total_rounds: int
+    messenger: State
+    c: State
+
+
+def init_client(client_id: str, n_examples: int, messenger: State) -> ClientState:
+    return ClientState(client_id, n_examples, zeros_like(messenger))
+
+
+def init_server(messenger: State, total_rounds: int) -> ServerState:
+    return ServerState(0, total_rounds, clone(messenger), zeros_like(messenger))
+
+
+def init_copy(messenger: State) -> ServerCopy:
+    return ServerCopy(zeros_like(messenger))
+
+
+# ------------------------------------------------------------------------------------------ schedules
+
+
+def round_schedule(cfg: CidersConfig, t: int, total_rounds: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """(lrs, eta_ins, gamma_t) of round t: the K learning rates over global client steps t*K + k,
+    the look-ahead steps scaled by the same schedule, and the consensus coefficient."""
+    k_steps = cfg.local_steps
+    total = max(total_rounds * k_steps, 1)
+    lrs = tuple(lr_at(t * k_steps + k, cfg.schedule, total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+                for k in range(k_steps))
+    eta0 = cfg.lr if cfg.eta_in is None else cfg.eta_in
+    eta_ins = tuple(eta0 * lr / cfg.lr for lr in lrs)
+    return lrs, eta_ins, gamma_at(t, cfg.gamma_schedule, cfg.gamma)
+
+
+def make_broadcast(cfg: CidersConfig, state: ServerState, copy: ServerCopy) -> Broadcast:
+    lrs, eta_ins, gamma = round_schedule(cfg, state.round, state.total_rounds)
+    return Broadcast(state.round, state.messenger, state.c, gamma, lrs, eta_ins, copy.version,
+                     resync=copy.c_i if copy.needs_resync else None)
+
+
+# ------------------------------------------------------------------------------------------ client
+
+
+def reconcile(state: ClientState, b: Broadcast) -> ClientState | None:
+    """Bring the client's committed c_i to the server's version, or None if only a resync can."""
+    if b.resync is not None:
+        return replace(state, c_i=clone(b.resync), version=b.version, pending=None)
+    p = state.pending
+    if p is not None and p.base_version == state.version and b.version == state.version + 1:
+        return replace(state, c_i=_commit(state.c_i, p.dc), version=b.version, pending=None)
+    if b.version == state.version:
+        return replace(state, pending=None)  # the pending increment was never applied
+    return None
+
+
+def _commit(c_i: State, dc: State) -> State:
+    # exactly the server's operation (c_i + dc), so both copies stay bit-identical
+    return {k: c_i[k] + dc[k] for k in c_i}
+
+
+def grad_of(loss_fn: LossFn, params: State, batch: Any) -> tuple[torch.Tensor, State]:
+    p = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    loss = loss_fn(p, batch)
+    grads = torch.autograd.grad(loss, list(p.values()))
+    return loss.detach(), {k: g for k, g in zip(p, grads)}
+
+
+def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: LossFn,
+                  batches: Sequence[Any]) -> tuple[Upload, ClientState, dict]:
+    """K consensus-corrected meta-gradient steps (Eq. 4) on `batches` (K * grad_accum of them)."""
+    st = reconcile(state, b)
+    if st is None:  # versions disagree in a way no pending increment explains
+        up = Upload(state.client_id, b.round, state.version, state.n_examples, resync_request=True)
+        return up, replace(state, pending=None), {"client": state.client_id, "round": b.round, "resync_request": True}
+    k_steps, accum = cfg.local_steps, cfg.grad_accum
+    if len(batches) != k_steps * accum:
+        raise ValueError(f"client_update needs K * grad_accum = {k_steps * accum} batches, got {len(batches)}")
+    w, c, c_i, gamma = b.messenger, b.c, st.c_i, b.gamma
+    corr = lincomb([(gamma, c), (-gamma, c_i)])  # gamma (c - c_i): fixed within the round
+    x = clone(w)
+    opt_state = optim.adamw_init(x) if cfg.optimizer == "adamw" else None
+    stats = RoundStats(c, c_i, gamma)
+    steps = []
+    for k in range(k_steps):
+        g: State | None = None
+        infos = []
+        for a in range(accum):
+            batch = batches[k * accum + a]
+            gm, info = metagrad(lambda p: grad_of(loss_fn, p, batch), x, b.eta_ins[k], cfg.metagrad,
+                                cfg.eps_fd, cfg.fd_eta)
+            g = gm if g is None else lincomb([(1.0, g), (1.0, gm)])
+            infos.append(info)
+        if accum > 1:
+            g = {n: v / accum for n, v in g.items()}
+        stats.add(g)
+        g_traj = lincomb([(1.0, g), (1.0, corr), (cfg.eps_prox, x), (-cfg.eps_prox, w)])  # Eq. 4
+        g_traj, traj_norm = optim.clip_by_global_norm(g_traj, cfg.max_grad_norm)
+        lr = b.lrs[k]
+        if opt_state is None:
+            x = optim.sgd_step(x, g_traj, lr, cfg.weight_decay)
+        else:
+            x, opt_state = optim.adamw_step(x, g_traj, opt_state, lr, weight_decay=cfg.weight_decay)
+        rec = {"step": k, "loss": sum(i["loss"] for i in infos) / accum, "g_norm": norm(g),
+               "g_traj_norm": traj_norm, "lr": lr}
+        if cfg.metagrad == "fd":
+            rec["r_fd"] = max(i["r_fd"] for i in infos)
+        steps.append(rec)
+    eta_bar = sum(b.lrs) / k_steps  # SPEC decision: mean of the K per-step learning rates
+    delta = cs.displacement(w, x, k_steps, eta_bar)  # Eq. 8
+    c_i_new = cs.client_consensus(c_i, delta, c, cfg.alpha, gamma)  # Eq. 9
+    dc = cs.increment(c_i_new, c_i)  # Eq. 10
+    new_state = replace(st, pending=Pending(dc, st.version, b.round), personalized=x)
+    up = Upload(st.client_id, b.round, st.version, st.n_examples, dc=dc,
+                personalized=x if cfg.upload_personalized_messenger else None)
+    summary = {"client": st.client_id, "round": b.round, "gamma": gamma, "eta_bar": eta_bar,
+               "loss": sum(s["loss"] for s in steps) / k_steps, "c_norm": norm(c), "c_i_norm": norm(c_i),
+               "dc_norm": norm(dc), "delta_norm": norm(delta), **stats.result()}
+    if cfg.metagrad == "fd":
+        classes = [fd_class(s["r_fd"]) for s in steps]
+        summary.update({f"r_fd_{k}": classes.count(k) for k in ("small", "moderate", "large")})
+    return up, new_state, {**summary, "steps": steps}
+
+
+# ------------------------------------------------------------------------------------------ server
+
+
+def check_upload(up: Upload, state: ServerState, copy: ServerCopy) -> str | None:
+    """Why the server must not apply this upload, or None. Shapes/finiteness are the wire layer's job
+    too, but the server checks again: a bad upload never touches global state."""
+    if up.round != state.round:
+        return f"late: computed in round {up.round}, the server is in round {state.round}"
+    if up.resync_request:
+        return "resync requested"
+    if up.base_version != copy.version:
+        return f"stale: computed from c_i version {up.base_version}, the server holds version {copy.version}"
+    if up.dc is None:
+        return "no consensus increment"
+    if up.dc.keys() != state.messenger.keys():
+        return "consensus increment keys do not match the messenger"
+    for k, v in up.dc.items():
+        ref = state.messenger[k]
+        if v.shape != ref.shape or v.dtype != ref.dtype:
+            return f"consensus increment {k!r} is {tuple(v.shape)} {v.dtype}, expected {tuple(ref.shape)} {ref.dtype}"
+        if not torch.isfinite(v).all():
+            return f"consensus increment {k!r} is not finite"
+    if up.n_examples <= 0:
+        return f"n_examples must be positive, got {up.n_examples}"
+    return None
+
+
+def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Upload],
+                  copies: dict[str, ServerCopy]) -> tuple[ServerState, dict[str, ServerCopy], dict]:
+    """Eq. 11 per accepted upload, then Eq. 12. `copies` holds the server's ServerCopy of every
+    client with an upload (the engine loads them from its store); returns the updated ones."""
+    lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
+    eta_bar = sum(lrs) / cfg.local_steps
+    new_copies = dict(copies)
+    accepted: list[tuple[Upload, State]] = []
+    rejected: dict[str, str] = {}
+    seen: set[str] = set()
+    for up in uploads:
+        cp = new_copies[up.client_id]
+        why = "duplicate: already applied this round" if up.client_id in seen else check_upload(up, state, cp)
+        if why is not None:
+            rejected[up.client_id] = why
+            if up.resync_request and up.round == state.round:
+                new_copies[up.client_id] = replace(cp, needs_resync=True)
+            continue
+        delta = cs.reconstruct(up.dc, cp.c_i, state.c, cfg.alpha, gamma)  # Eq. 11
+        new_copies[up.client_id] = ServerCopy(_commit(cp.c_i, up.dc), cp.version + 1, needs_resync=False)
+        accepted.append((up, delta))
+        seen.add(up.client_id)
+    metrics = {"round": state.round, "gamma": gamma, "accepted": [u.client_id for u, _ in accepted],
+               "rejected": rejected}
+    if not accepted:
+        return replace(state, round=state.round + 1), new_copies, {**metrics, "delta_bar_norm": 0.0,
+                                                                    "c_norm": norm(state.c)}
+    p = cs.weights([u.n_examples for u, _ in accepted], uniform=cfg.weighting == "uniform")
+    delta_bar = cs.weighted_mean([d for _, d in accepted], p)
+    messenger = cs.server_messenger(state.messenger, delta_bar, cfg.tau, cfg.local_steps, eta_bar)  # Eq. 12
+    c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
+    metrics.update({"p": dict(zip([u.client_id for u, _ in accepted], p)), "delta_bar_norm": norm(delta_bar),
+                    "c_norm": norm(c)})
+    return ServerState(state.round + 1, state.total_rounds, messenger, c), new_copies, metrics
+
+
+# ------------------------------------------------------------------------------------------ records / wire
+# Durable records (tensors + JSON meta) for the stores and checkpoints, and wire messages for the
+# engines. Decoding validates shapes/dtypes/finiteness against the messenger before anything is used.
+
+
+def _pre(st: State | None, p: str) -> dict:
+    return {} if st is None else {f"{p}/{k}": v for k, v in st.items()}
+
+
+def _un(t: dict, p: str) -> State | None:
+    out = {k[len(p) + 1 :]: v for k, v in t.items() if k.startswith(p + "/")}
+    return out or None
+
+
+def client_record(s: ClientState) -> tuple[dict, dict]:
+    meta = {"client_id": s.client_id, "n_examples": s.n_examples, "version": s.version,
+            "pending": None if s.pending is None else {"base_version": s.pending.base_version, "round": s.pending.round}}
+    return {**_pre(s.c_i, "c_i"), **_pre(s.pending.dc if s.pending else None, "pending"),
+            **_pre(s.personalized, "personalized")}, meta
+
+
+def client_from_record(t: dict, meta: dict) -> ClientState:
+    p = meta["pending"]
+    pending = None if p is None else Pending(_un(t, "pending"), p["base_version"], p["round"])
+    return ClientState(meta["client_id"], meta["n_examples"], _un(t, "c_i"), meta["version"], pending,
+                       _un(t, "personalized"))
+
+
+def copy_record(c: ServerCopy) -> tuple[dict, dict]:
+    return _pre(c.c_i, "c_i"), {"version": c.version, "needs_resync": c.needs_resync}
+
+
+def copy_from_record(t: dict, meta: dict) -> ServerCopy:
+    return ServerCopy(_un(t, "c_i"), meta["version"], meta["needs_resync"])
+
+
+def server_record(s: ServerState) -> tuple[dict, dict]:
+    return {**_pre(s.messenger, "messenger"), **_pre(s.c, "c")}, {"round": s.round, "total_rounds": s.total_rounds}
+
+
+def server_from_record(t: dict, meta: dict) -> ServerState:
+    return ServerState(meta["round"], meta["total_rounds"], _un(t, "messenger"), _un(t, "c"))
+
+
+def encode_broadcast(b: Broadcast, extra: dict | None = None) -> tuple[bytes, dict[str, int]]:
+    """Downlink: messenger, c, (resync), plus engine extras such as the student LoRA."""
+    from ciders.core.wire import encode
+
+    meta = {"round": b.round, "gamma": b.gamma, "lrs": list(b.lrs), "eta_ins": list(b.eta_ins), "version": b.version}
+    return encode({"messenger": b.messenger, "c": b.c, "resync": b.resync, **(extra or {})}, meta)
+
+
+def decode_broadcast(msg: bytes, messenger_ref: State, extra_ref: dict | None = None, device=None) -> tuple[Broadcast, dict]:
+    from ciders.core.wire import decode
+
+    comps, meta = decode(msg, {"messenger": messenger_ref, "c": messenger_ref, "resync": messenger_ref,
+                               **(extra_ref or {})}, device)
+    b = Broadcast(meta["round"], comps["messenger"], comps["c"], meta["gamma"], tuple(meta["lrs"]),
+                  tuple(meta["eta_ins"]), meta["version"], comps.get("resync"))
+    return b, {k: v for k, v in comps.items() if k not in ("messenger", "c", "resync")}
+
+
+def encode_upload(u: Upload) -> tuple[bytes, dict[str, int]]:
+    from ciders.core.wire import encode
+
+    meta = {"client_id": u.client_id, "round": u.round, "base_version": u.base_version, "n_examples": u.n_examples,
+            "resync_request": u.resync_request}
+    return encode({"dc": u.dc, "personalized": u.personalized}, meta)
+
+
+def decode_upload(msg: bytes, messenger_ref: State, device=None) -> Upload:
+    """Raises ciders.core.wire.PayloadError for anything malformed."""
+    from ciders.core.wire import PayloadError, decode
+
+    comps, meta = decode(msg, {"dc": messenger_ref, "personalized": messenger_ref}, device)
+    try:
+        return Upload(str(meta["client_id"]), int(meta["round"]), int(meta["base_version"]), int(meta["n_examples"]),
+                      comps.get("dc"), bool(meta["resync_request"]), comps.get("personalized"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PayloadError(f"upload metadata incomplete: {exc}") from exc

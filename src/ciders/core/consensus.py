@@ -1,0 +1,66 @@
+"""Consensus variates and aggregation of CIDERS (SPEC 1.3-1.4, Eqs. 8-12).
+
+Client, after K local steps from w = w_PM^(t):
+  Delta_i   = (w - x_K) / (K * eta_bar)                                  (Eq. 8)
+  c_i'      = [1 + alpha (gamma - 1)] c_i + alpha Delta_i - alpha gamma c (Eq. 9)
+  dc_i      = c_i' - c_i                                                 (Eq. 10)
+Server, from its synchronized copy of c_i:
+  Delta_i   = dc_i / alpha - (gamma - 1) c_i + gamma c                   (Eq. 11)
+  w'        = w - tau K eta_bar sum_i p_i Delta_i                        (Eq. 12; SPEC decision: not Alg. 2 line 6)
+  c'        = (1 - alpha) c + alpha sum_i p_i Delta_i                    (Eq. 12)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ciders.core.tensors import State, lincomb, sub
+
+
+def displacement(w: State, x_k: State, k: int, eta_bar: float) -> State:
+    """Eq. 8."""
+    if k * eta_bar <= 0:
+        raise ValueError(f"Eq. 8 needs K * eta_bar > 0 (got K={k}, eta_bar={eta_bar}): the round's learning rates are zero")
+    return lincomb([(1.0 / (k * eta_bar), w), (-1.0 / (k * eta_bar), x_k)])
+
+
+def client_consensus(c_i: State, delta: State, c: State, alpha: float, gamma: float) -> State:
+    """Eq. 9."""
+    return lincomb([(1.0 + alpha * (gamma - 1.0), c_i), (alpha, delta), (-alpha * gamma, c)])
+
+
+def increment(c_i_new: State, c_i: State) -> State:
+    """Eq. 10."""
+    return sub(c_i_new, c_i)
+
+
+def reconstruct(dc: State, c_i: State, c: State, alpha: float, gamma: float) -> State:
+    """Eq. 11: the server's exact recovery of Delta_i (up to float rounding)."""
+    return lincomb([(1.0 / alpha, dc), (-(gamma - 1.0), c_i), (gamma, c)])
+
+
+def weights(sizes: Sequence[int], uniform: bool = False) -> list[float]:
+    """p_i over the clients that replied: |D_i| / sum_j |D_j| (or 1/|S|)."""
+    if not sizes:
+        raise ValueError("no clients to weight")
+    if uniform:
+        return [1.0 / len(sizes)] * len(sizes)
+    total = float(sum(sizes))
+    if total <= 0:
+        raise ValueError("client sizes must be positive")
+    return [n / total for n in sizes]
+
+
+def weighted_mean(states: Sequence[State], p: Sequence[float]) -> State:
+    """sum_i p_i state_i."""
+    return lincomb(list(zip(p, states)))
+
+
+def server_messenger(w: State, delta_bar: State, tau: float, k: int, eta_bar: float) -> State:
+    """Eq. 12, messenger."""
+    return lincomb([(1.0, w), (-tau * k * eta_bar, delta_bar)])
+
+
+def server_consensus(c: State, delta_bar: State, alpha: float) -> State:
+    """Eq. 12, global consensus."""
+    return lincomb([(1.0 - alpha, c), (alpha, delta_bar)])

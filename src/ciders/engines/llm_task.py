@@ -1,0 +1,218 @@
+"""The LLM task of CIDERS for the engines: decomposition, public data and TAKD on the server side,
+client data and the messenger loss on the client side, and AdapEmu evaluation (SPEC 1.1-1.4).
+
+Client data: `federation.partition` iid (a seeded split of data.clients) or files (one file per
+client); each client's examples are split into training and a held-out part for its personalized
+evaluation. Public (TAKD), client and global evaluation data must be disjoint (checked on prompts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ciders.config import ExperimentConfig
+from ciders.errors import CidersError
+from ciders.eval.metrics import perplexity
+from ciders.fileio import write_json
+from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
+from ciders.models.messenger_loss import MessengerLoss
+from ciders.engines.prealign import build
+from ciders.runtime import derived_seed
+from ciders.tasks.paths import resolve
+from ciders.tasks.text import batches as iter_batches
+from ciders.tasks.text import DataReport, collate, load_examples, tokenize
+
+
+class LLMTask:
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print):
+        self.cfg, self.log = cfg, log
+        self.d, self.tok = build(cfg)
+        self.pad = self.tok.pad_token_id
+        self._load_data(Path(out))
+        tc = cfg.takd
+        self.cache = None
+        if tc.teacher_cache != "off":
+            self.cache = TeacherCache.build(self.d, self.public, self.pad, batch_size=cfg.data.eval_batch_size,
+                                            mode=tc.teacher_cache, directory=Path(out) / "teacher_cache",
+                                            memory_limit_mib=tc.cache_memory_mib)
+        self.loss = MessengerLoss(self.d)
+        self._hidden: dict[tuple[str, int], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ data
+    def _load_data(self, out: Path) -> None:
+        dc, fed = self.cfg.data, self.cfg.federation
+        pub, pub_rep = load_examples(resolve(dc.public), dc.format, dc.public_limit)
+        ev, ev_rep = load_examples(resolve(dc.eval), dc.format, dc.eval_limit)
+        reports = {"public": pub_rep, "eval": ev_rep}
+        if fed.partition == "iid":
+            pool, rep = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
+            reports["clients"] = rep
+            perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derived_seed(self.cfg.seed, 17)))
+            shards = [[pool[j] for j in perm[i :: fed.clients].tolist()] for i in range(fed.clients)]
+        else:
+            shards = []
+            for i, f in enumerate(dc.client_files):
+                ex, rep = load_examples(resolve(f), dc.format, dc.clients_limit)
+                reports[f"client{i}"] = rep
+                shards.append(ex)
+        prompts = {"public": {e.prompt for e in pub}, "eval": {e.prompt for e in ev}}
+        client_prompts = {e.prompt for s in shards for e in s}
+        for a, b in (("public", "eval"),):
+            if prompts[a] & prompts[b]:
+                raise CidersError(f"{len(prompts[a] & prompts[b])} prompts occur in both {a} and {b} data")
+        for name, ps in prompts.items():
+            if ps & client_prompts:
+                raise CidersError(f"{len(ps & client_prompts)} client prompts also occur in the {name} data")
+        ml = dc.max_length
+        self.public = tokenize(pub, self.tok, ml, pub_rep)
+        self.global_eval = tokenize(ev, self.tok, ml, ev_rep)
+        self.train: dict[str, list[dict]] = {}
+        self.heldout: dict[str, list[dict]] = {}
+        part = {}
+        for i, shard in enumerate(shards):
+            cid = f"client{i}"
+            n_hold = int(round(len(shard) * fed.holdout))
+            rep_h, rep_t = DataReport(f"{cid} heldout"), DataReport(f"{cid} train")
+            feats_h = tokenize(shard[:n_hold], self.tok, ml, rep_h)
+            feats_t = tokenize(shard[n_hold:], self.tok, ml, rep_t)
+            if not feats_t:
+                raise CidersError(f"{cid} has no training examples after the holdout split ({rep_t.summary()})")
+            self.train[cid], self.heldout[cid] = feats_t, feats_h
+            part[cid] = {"train": len(feats_t), "heldout": len(feats_h), "truncated": rep_h.truncated + rep_t.truncated,
+                         "skipped": dict(rep_h.skipped + rep_t.skipped)}
+        if not self.public or not self.global_eval:
+            raise CidersError("public or evaluation data is empty after tokenization")
+        write_json(out / "data.json", {"reports": {k: r.to_dict() for k, r in reports.items()}, "partition": part,
+                                       "partition_kind": fed.partition, "max_length": ml})
+
+    # ------------------------------------------------------------------ task protocol
+    def clients(self) -> dict[str, int]:
+        return {cid: len(f) for cid, f in self.train.items()}
+
+    def initial_messenger(self) -> dict:
+        return self.d.messenger_state()
+
+    def initial_extra(self):
+        tc = self.cfg.takd
+        st, hist = distill(self.d, init_state(self.d), self.d.messenger_state(), self.public, tc, tc.bootstrap_steps,
+                           pad_id=self.pad, seed=self.cfg.seed, cache=self.cache)
+        t, m = takd_record(st)
+        pre = {"steps": tc.bootstrap_steps, **({"first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]} if hist else {})}
+        return t, m, pre
+
+    def extra_from_record(self, tensors: dict, meta: dict) -> TAKDState:
+        dev = self.d.device
+        st = takd_from_record({k: v.to(dev) for k, v in tensors.items()}, meta)
+        self.d.load_student(st.student)
+        return st
+
+    def extra_record(self, extra: TAKDState):
+        return takd_record(extra)
+
+    def downlink_extra(self, extra: TAKDState) -> dict:
+        return {"student": extra.student}
+
+    def begin_round(self, t: int, downlink_extra: dict) -> None:
+        self.d.load_student(downlink_extra["student"])
+        self._hidden.clear()  # B_L changed: cached backbone outputs are stale
+        self.d.messenger_top.train()  # LoRA dropout during client steps
+
+    def loss_fn(self, cid: str):
+        return self.loss
+
+    def batches(self, cid: str, t: int, n: int, seed: int) -> list:
+        """n micro-batches of the client's data: epochs of seeded permutations; B_L(x) is computed once
+        per example per round (no grad) and reused by every gradient evaluation and repeated batch."""
+        feats = self.train[cid]
+        bs = self.cfg.algorithm.batch_size
+        ci = int(cid[len("client"):])
+        out = []
+        for j in range(n):
+            idx = []
+            for g in range(j * bs, (j + 1) * bs):
+                epoch, k = divmod(g, len(feats))
+                perm = torch.randperm(len(feats), generator=torch.Generator().manual_seed(derived_seed(seed, t, ci, epoch)))
+                idx.append(int(perm[k]))
+            out.append(self._batch(cid, idx, derived_seed(seed, t, ci, j, 5) % (2**62)))
+        return out
+
+    def _batch(self, cid: str, idx: list[int], seed: int) -> dict:
+        feats = self.train[cid]
+        missing = sorted({i for i in idx if (cid, i) not in self._hidden})
+        if missing:
+            b = collate([feats[i] for i in missing], self.pad, self.d.device)
+            h = self.d.backbone_hidden(b["input_ids"], b["attention_mask"])
+            for r, i in enumerate(missing):
+                self._hidden[(cid, i)] = h[r, : len(feats[i]["input_ids"])]
+        b = collate([feats[i] for i in idx], self.pad, self.d.device)
+        hid = torch.zeros((len(idx), b["input_ids"].size(1), self.d.base.config.hidden_size),
+                          dtype=self.d.base.dtype, device=self.d.device)
+        for r, i in enumerate(idx):
+            h = self._hidden[(cid, i)]
+            hid[r, : h.size(0)] = h
+        return {"hidden": hid, "attention_mask": b["attention_mask"], "labels": b["labels"], "seed": seed}
+
+    def after_server(self, t: int, server, extra: TAKDState):
+        self.d.messenger_top.eval()
+        tc = self.cfg.takd
+        if tc.round_steps == 0:
+            return extra, {"steps": 0}
+        st, hist = distill(self.d, extra, server.messenger, self.public, tc, tc.round_steps, pad_id=self.pad,
+                           seed=self.cfg.seed, cache=self.cache)
+        return st, {"steps": tc.round_steps, "loss": sum(h["loss"] for h in hist) / len(hist),
+                    "hidden": hist[-1]["hidden"], "kl": hist[-1]["kl"], "ce": hist[-1]["ce"]}
+
+    def _ppl(self, messenger: dict, feats: list[dict]) -> dict:
+        self.d.load_messenger(messenger)
+        return perplexity(self.d.adapemu, iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device))
+
+    def evaluate(self, t: int, server, personalized: dict) -> dict:
+        """AdapEmu response NLL/PPL: global messenger on the global held-out set and on each client's
+        held-out part; each client's personalized messenger on its own held-out part."""
+        out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
+        for cid in sorted(self.train):
+            if not self.heldout[cid]:
+                continue
+            row = {"global": self._ppl(server.messenger, self.heldout[cid])}
+            if cid in personalized:
+                row["personalized"] = self._ppl({k: v.to(self.d.device) for k, v in personalized[cid].items()},
+                                                self.heldout[cid])
+            out["clients"][cid] = row
+        self.d.load_messenger(server.messenger)
+        return out
+
+    def finalize(self, out: Path, server, extra: TAKDState) -> None:
+        """The run's final global messenger and student LoRA as PEFT directories (for `ciders export`)."""
+        self.d.save_messenger(Path(out) / "adapters" / "messenger", server.messenger)
+        self.d.save_student(Path(out) / "adapters" / "student", extra.student)
+
+
+def render(summary: dict) -> str:
+    """The demo table: AdapEmu held-out response NLL / PPL before and after, and MiB per direction."""
+    before, after = summary["eval_before"], summary["eval_after"] or {}
+    lines = [f"AdapEmu held-out response perplexity (NLL)        before              after"]
+
+    def cell(r):
+        return f"{r['ppl']:9.3f} ({r['nll']:.3f})" if r else f"{'-':>17}"
+
+    g0, g1 = before["global"], after.get("global")
+    lines.append(f"  global messenger, global eval ({g0['tokens']} tok)".ljust(48) + f"{cell(g0)}   {cell(g1)}")
+    for cid, row in sorted((after.get("clients") or before.get("clients") or {}).items()):
+        b = before.get("clients", {}).get(cid, {})
+        lines.append(f"  {cid} global messenger ({row['global']['tokens']} tok)".ljust(48)
+                     + f"{cell(b.get('global'))}   {cell(row.get('global'))}")
+        lines.append(f"  {cid} personalized messenger".ljust(48) + f"{cell(None)}   {cell(row.get('personalized'))}")
+    mib = summary["mib"]
+    comp = mib["by_component"]
+    n = max(summary["client_rounds"], 1)
+
+    def parts(d):
+        return ", ".join(f"{k} {v / n:.3f}" for k, v in d.items())
+
+    lines.append(f"MiB per client per round: downlink {mib['down_per_client_round']:.3f} ({parts(comp['down'])}); "
+                 f"uplink {mib['up_per_client_round']:.3f} ({parts(comp['up'])})")
+    lines.append(f"MiB in total over {summary['rounds']} rounds, {summary['client_rounds']} client-rounds: "
+                 f"downlink {mib['down_total']:.2f}, uplink {mib['up_total']:.2f}")
+    return "\n".join(lines)

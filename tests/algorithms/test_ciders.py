@@ -1,0 +1,230 @@
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ciders.algorithms import ciders as alg
+from ciders.config import CidersConfig
+from ciders.core.tensors import equal, lincomb, max_abs_diff, sub
+from ciders.engines.theory import run_theory, synthetic_clients
+
+
+def cfg(**kw):
+    base = dict(local_steps=3, optimizer="sgd", lr=0.05, weight_decay=0.0, max_grad_norm=0.0, schedule="constant",
+                eta_in=0.02, gamma=0.3, alpha=0.2, tau=0.5, eps_prox=0.1)
+    base.update(kw)
+    c = CidersConfig(**base)
+    c.validate()
+    return c
+
+
+def quad_clients(n=4, dim=6, seed=0):
+    """Quadratics with different Hessians: curvature makes every path nontrivial."""
+    g = torch.Generator().manual_seed(seed)
+    fns = []
+    for _ in range(n):
+        m = torch.randn(dim, dim, generator=g, dtype=torch.float64)
+        h = m @ m.T / dim + 0.5 * torch.eye(dim, dtype=torch.float64)
+        b = torch.randn(dim, generator=g, dtype=torch.float64)
+        fns.append(lambda p, batch, h=h, b=b: 0.5 * (p["x"] - b) @ h @ (p["x"] - b) + (batch or 0.0) * p["x"].sum())
+    return fns
+
+
+def run_round(c, server, copies, states, fns, ids, batches=None):
+    ups, metrics = [], []
+    for cid in ids:
+        b = alg.make_broadcast(c, server, copies[cid])
+        up, states[cid], m = alg.client_update(c, b, states[cid], fns[int(cid[1:])], batches or [None] * c.local_steps)
+        ups.append(up)
+        metrics.append(m)
+    return ups, metrics
+
+
+def setup(n=4, dim=6, rounds=20, sizes=None):
+    w0 = {"x": torch.zeros(6, dtype=torch.float64)}
+    ids = [f"c{i}" for i in range(n)]
+    sizes = sizes or [1] * n
+    return (alg.init_server(w0, rounds), {i: alg.init_copy(w0) for i in ids},
+            {i: alg.init_client(i, s, w0) for i, s in zip(ids, sizes)}, ids)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_eq11_reconstruction_equals_the_true_displacement(opt):
+    c = cfg(optimizer=opt, schedule="warmup_cosine", warmup_steps=2, metagrad="fd")
+    fns = quad_clients()
+    server, copies, states, ids = setup(sizes=[3, 1, 2, 5])
+    for t in range(10):
+        w = server.messenger
+        ups, _ = run_round(c, server, copies, states, fns, ids)
+        lrs, _, gamma = alg.round_schedule(c, t, server.total_rounds)
+        eta_bar = sum(lrs) / c.local_steps
+        for cid, up in zip(ids, ups):
+            true = lincomb([(1 / (c.local_steps * eta_bar), w), (-1 / (c.local_steps * eta_bar), states[cid].personalized)])
+            rec = alg.cs.reconstruct(up.dc, copies[cid].c_i, server.c, c.alpha, gamma)
+            assert max_abs_diff(rec, true) < 1e-9
+        server, copies, m = alg.server_update(c, server, ups, copies)
+        assert m["accepted"] == ids
+    # after the next contact the client's committed copy equals the server's, bit for bit
+    run_round(c, server, copies, states, fns, ids)
+    for cid in ids:
+        assert equal(states[cid].c_i, copies[cid].c_i) and states[cid].version == copies[cid].version == 10
+
+
+def test_reduces_to_fedavg():
+    c = cfg(gamma=0.0, eps_prox=0.0, eta_in=0.0, tau=1.0)
+    fns = quad_clients()
+    server, copies, states, ids = setup(sizes=[1, 2, 3, 4])
+    for _ in range(3):
+        ups, _ = run_round(c, server, copies, states, fns, ids)
+        xs = [states[i].personalized for i in ids]
+        fedavg = lincomb([(n / 10, x) for n, x in zip([1, 2, 3, 4], xs)])
+        server, copies, _ = alg.server_update(c, server, ups, copies)
+        assert max_abs_diff(server.messenger, fedavg) < 1e-12
+
+
+def test_fd_with_zero_hvp_weight_is_fo():
+    fns = quad_clients()
+    outs = []
+    for kind in ("fo", "fd"):
+        c = cfg(metagrad=kind, fd_eta=0.0)
+        server, copies, states, ids = setup()
+        for _ in range(3):
+            ups, ms = run_round(c, server, copies, states, fns, ids)
+            server, copies, _ = alg.server_update(c, server, ups, copies)
+        outs.append(server)
+        if kind == "fd":
+            assert all(s["r_fd"] == 0 for m in ms for s in m["steps"]) and ms[0]["r_fd_small"] == c.local_steps
+    assert equal(outs[0].messenger, outs[1].messenger) and equal(outs[0].c, outs[1].c)
+
+
+@pytest.mark.parametrize("loss, k, eps", [("linear", 1, 0.0), ("linear", 5, 0.0), ("linear", 5, 0.2),
+                                          ("linear", 3, 1.0), ("quadratic", 1, 0.0)])
+def test_theory_psi_t(loss, k, eps):
+    rows = list(run_theory(5, 7, k, 0.1, 0.4, 0.15, eps, 40, loss, seed=2))
+    assert rows[0]["dr"] == 0 and rows[0]["psi"] == 1
+    for r in rows:
+        assert abs(r["dr"] - r["dr_pred"]) < 1e-10 and abs(r["ppr"] - r["psi"]) < 1e-10
+    assert rows[-1]["psi"] == pytest.approx(rows[-1]["psi_inf"], abs=2e-3)
+    if eps > 0:
+        assert rows[-1]["psi_inf"] > 1 - 0.4  # proximal damping keeps a more personalized field
+
+
+def test_theory_does_not_hold_where_spec_says_it_need_not():
+    # quadratic losses with K > 1: the gradient moves along the path, so psi_t is only approximate
+    rows = list(run_theory(5, 7, 5, 0.1, 0.4, 0.15, 0.0, 20, "quadratic", seed=2))
+    assert max(abs(r["ppr"] - r["psi"]) for r in rows) > 1e-6
+
+
+def test_lost_duplicated_and_late_uploads_keep_copies_in_sync():
+    c = cfg()
+    fns = quad_clients()
+    server, copies, states, ids = setup()
+    held = None
+    for t in range(8):
+        ups, _ = run_round(c, server, copies, states, fns, ids)
+        delivered = list(ups)
+        if t == 1:
+            delivered.remove(ups[0])  # lost
+        if t == 2:
+            delivered.append(ups[1])  # duplicated
+        if t == 3:
+            held = ups[2]  # arrives late
+            delivered.remove(ups[2])
+        if t == 4:
+            delivered.append(held)  # ... in the next round (its id is also in this round's uploads)
+        server, copies, m = alg.server_update(c, server, delivered, copies)
+        if t == 2:
+            assert "duplicate" in m["rejected"]["c1"]
+        if t == 4:
+            assert set(m["accepted"]) == set(ids)
+            assert "late" in m["rejected"]["c2"] or "duplicate" in m["rejected"]["c2"]
+    run_round(c, server, copies, states, fns, ids)  # next contact commits or drops pending increments
+    for cid in ids:
+        assert equal(states[cid].c_i, copies[cid].c_i) and states[cid].version == copies[cid].version
+    assert copies["c0"].version == 7 and copies["c1"].version == 8 and copies["c2"].version == 7
+
+
+def test_late_upload_alone_is_rejected_without_side_effects():
+    c = cfg()
+    fns = quad_clients()
+    server, copies, states, ids = setup()
+    ups, _ = run_round(c, server, copies, states, fns, ids)
+    server, copies, _ = alg.server_update(c, server, ups[1:], copies)  # c0's upload missed round 0
+    before = (server.messenger, server.c, copies["c0"])
+    server2, copies2, m = alg.server_update(c, server, [ups[0]], copies)
+    assert m["accepted"] == [] and "late" in m["rejected"]["c0"]
+    assert equal(server2.messenger, before[0]) and equal(server2.c, before[1]) and copies2["c0"] is before[2]
+
+
+def test_client_restored_from_an_old_snapshot_resyncs():
+    c = cfg()
+    fns = quad_clients()
+    server, copies, states, ids = setup()
+    snapshot = states["c0"]
+    for _ in range(3):
+        ups, _ = run_round(c, server, copies, states, fns, ids)
+        server, copies, _ = alg.server_update(c, server, ups, copies)
+    states["c0"] = snapshot  # the device lost its disk state and restored a 3-round-old copy
+    ups, ms = run_round(c, server, copies, states, fns, ids)
+    assert ups[0].resync_request and ms[0]["resync_request"]
+    server, copies, m = alg.server_update(c, server, ups, copies)
+    assert "resync requested" in m["rejected"]["c0"] and copies["c0"].needs_resync
+    ups, _ = run_round(c, server, copies, states, fns, ids)  # this broadcast carries the server's copy
+    assert not ups[0].resync_request
+    server, copies, m = alg.server_update(c, server, ups, copies)
+    assert "c0" in m["accepted"] and not copies["c0"].needs_resync
+    run_round(c, server, copies, states, fns, ids)
+    assert equal(states["c0"].c_i, copies["c0"].c_i)
+
+
+def test_malformed_uploads_never_touch_global_state():
+    c = cfg()
+    fns = quad_clients()
+    server, copies, states, ids = setup()
+    ups, _ = run_round(c, server, copies, states, fns, ids)
+    bad = [replace(ups[0], dc={"x": torch.full((6,), float("nan"), dtype=torch.float64)}),
+           replace(ups[1], dc={"y": torch.zeros(6, dtype=torch.float64)}),
+           replace(ups[2], dc={"x": torch.zeros(5, dtype=torch.float64)}),
+           replace(ups[3], n_examples=0)]
+    s2, cp2, m = alg.server_update(c, server, bad, copies)
+    assert m["accepted"] == [] and len(m["rejected"]) == 4
+    assert equal(s2.messenger, server.messenger) and all(cp2[i] is copies[i] for i in ids)
+
+
+def test_partial_participation_renormalises_p():
+    c = cfg()
+    fns = quad_clients()
+    server, copies, states, ids = setup(sizes=[1, 1, 2, 4])
+    ups, _ = run_round(c, server, copies, states, fns, ids[2:])
+    s2, _, m = alg.server_update(c, server, ups, copies)
+    assert m["p"] == {"c2": pytest.approx(1 / 3), "c3": pytest.approx(2 / 3)}
+
+
+def test_client_round_metrics_and_determinism():
+    c = cfg(metagrad="fd")
+    fns = quad_clients()
+    runs = []
+    for _ in range(2):
+        server, copies, states, ids = setup()
+        all_m = []
+        for _ in range(3):
+            ups, ms = run_round(c, server, copies, states, fns, ids)
+            server, copies, sm = alg.server_update(c, server, ups, copies)
+            all_m.append((ms, sm))
+        runs.append(all_m)
+    assert runs[0] == runs[1]
+    m = runs[0][0][0][0]
+    for k in ("loss", "e_rae", "s_dr", "s_ppr", "c_norm", "c_i_norm", "dc_norm", "r_fd_small", "steps"):
+        assert k in m
+    assert m["s_dr"] == 0 and m["s_ppr"] == pytest.approx(1.0)  # round 0: c = c_i = 0
+    assert set(m["steps"][0]) >= {"loss", "g_norm", "g_traj_norm", "lr", "r_fd"}
+
+
+def test_config_validation_names_the_key():
+    from ciders.errors import ConfigError
+
+    for kw, match in [({"gamma": 1.5}, "algorithm.gamma"), ({"alpha": 0.0}, "algorithm.alpha"),
+                      ({"tau": 0.0}, "algorithm.tau"), ({"local_steps": 0}, "algorithm.local_steps"),
+                      ({"optimizer": "lion"}, "algorithm.optimizer")]:
+        with pytest.raises(ConfigError, match=match):
+            CidersConfig(**kw).validate()
