@@ -18,7 +18,8 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ciders distill configs/demo.yaml --out runs/demo
+	rm -rf runs/demo
+	$(BIN)/ciders run configs/demo.yaml --out runs/demo
 
 # Default suite (tiny models, a few minutes), then the real-model suite (SmolLM2-135M).
 test: $(STAMP)
@@ -29,6 +30,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/client_step.py
 	$(BIN)/python benchmarks/takd_round.py
 
 clean:

@@ -89,3 +89,23 @@ def test_every_key_has_help():
     assert {r[0] for r in rows} >= {"seed", "takd.lambda_out", "lora.messenger.r", "decomposition.rounding"}
     assert all(help_ for _, _, help_ in rows)
     assert from_dict(ExperimentConfig, {}) == ExperimentConfig()
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["federation.partition=files"], "needs one data.client_files entry per client"),
+        (["data.clients=null"], "partition=iid needs data.clients"),
+        (["federation.per_round=5"], r"federation.per_round: must be in \[1, clients=3\]"),
+        (["federation.rounds=0"], "federation.rounds: must be >= 1"),
+        (["algorithm.gamma=-0.1"], r"algorithm.gamma: must be in \[0, 1\]"),
+        (["algorithm.alpha=0"], r"algorithm.alpha: must be in \(0, 1\]"),
+        (["algorithm.tau=0"], "algorithm.tau: must be > 0"),
+        (["algorithm.local_steps=0"], "algorithm.local_steps: K must be >= 1"),
+    ],
+)
+def test_federation_checks(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+    ok = load_config(None, ["federation.partition=files", "data.client_files=[a.jsonl, b.jsonl, c.jsonl]"])
+    assert ok.data.client_files == ("a.jsonl", "b.jsonl", "c.jsonl")

@@ -89,7 +89,8 @@ def test_vendored_slice_is_a_verbatim_prefix_of_the_shared_gsm8k():
     src = data_root() / "gsm8k"
     if not (src / "train.jsonl").is_file():
         pytest.skip(f"full GSM8K not found under {src} (set CIDERS_DATA to the shared datasets directory)")
-    for mine, theirs, n in (("public.jsonl", "train.jsonl", 400), ("eval.jsonl", "test.jsonl", 100)):
+    for mine, theirs, lo, hi in (("public.jsonl", "train.jsonl", 0, 400), ("clients.jsonl", "train.jsonl", 400, 700),
+                                 ("eval.jsonl", "test.jsonl", 0, 100)):
         with open(src / theirs, "rb") as f:
-            head = b"".join(f.readline() for _ in range(n))
-        assert (ROOT / "data" / "gsm8k-slice" / mine).read_bytes() == head
+            lines = f.readlines()
+        assert (ROOT / "data" / "gsm8k-slice" / mine).read_bytes() == b"".join(lines[lo:hi])

@@ -1,0 +1,125 @@
+"""One client optimizer step, measured in one process on the same AdapEmu model and batches (SPEC 1.3):
+
+  (i)   plain PEFT LoRA step: full AdapEmu forward + backward + AdamW (what a FedOT client does)
+  (ii)  CIDERS-FO step: B_L(x) once, look-ahead gradient + meta-gradient on the messenger, AdamW
+  (iii) CIDERS-FD step: as (ii) plus the two central-difference probes
+  pieces: B = one no-grad B_L forward;  M = one messenger + head forward + backward
+
+Within a round B_L is frozen, so the floors are FO = B + 2M and FD = B + 4M; an implementation that
+reran the backbone per gradient evaluation would sit near 2x and 4x of (i) instead. Measurements are
+interleaved and the medians of `--repeats` runs are reported.
+
+    python benchmarks/client_step.py [--model smollm2-135m] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ciders.algorithms import ciders as alg
+from ciders.algorithms.ciders import grad_of
+from ciders.config import CidersConfig
+from ciders.models.decompose import decompose
+from ciders.models.load import load_model, load_tokenizer
+from ciders.models.messenger_loss import MessengerLoss
+from ciders.tasks.text import collate, load_examples, tokenize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--messenger-layers", type=int, default=2)
+    ap.add_argument("--drop-ratio", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+
+    d = decompose(load_model(a.model, device=a.device, dtype=a.dtype), a.messenger_layers, drop_ratio=a.drop_ratio,
+                  model_name=a.model)
+    tok = load_tokenizer(a.model)
+    ex, _ = load_examples(ROOT / "data" / "gsm8k-slice" / "clients.jsonl", limit=a.batch_size)
+    b = collate(tokenize(ex, tok, a.max_length), tok.pad_token_id, d.device)
+    loss = MessengerLoss(d)
+    base = CidersConfig(local_steps=1, lr=1e-4, eta_in=1e-4, gamma=0.01, alpha=0.002, tau=0.02)
+    cfgs = {"fo": replace(base, metagrad="fo"), "fd": replace(base, metagrad="fd")}
+    msg = d.messenger_state()
+    server = alg.init_server(msg, 10)
+    bc = alg.make_broadcast(base, server, alg.init_copy(msg))
+    client = alg.init_client("c", 10, msg)
+    params = d.messenger_params()
+    d.set_trainable(messenger=True, student=False)
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4, weight_decay=0.01)
+    d.adapemu.train()
+    d.messenger_top.train()
+
+    def sync():
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def plain():
+        opt.zero_grad(set_to_none=True)
+        d.adapemu(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss.backward()
+        opt.step()
+
+    def backbone():
+        return d.backbone_hidden(b["input_ids"], b["attention_mask"])
+
+    hidden = backbone()
+    batch = {"hidden": hidden, "attention_mask": b["attention_mask"], "labels": b["labels"], "seed": 0}
+
+    def messenger():
+        grad_of(loss, msg, batch)
+
+    def step(kind):
+        def run():
+            h = backbone()
+            alg.client_update(cfgs[kind], bc, client, loss, [dict(batch, hidden=h)])
+        return run
+
+    fns = {"plain": plain, "B": backbone, "M": messenger, "fo": step("fo"), "fd": step("fd")}
+    times = {k: [] for k in fns}
+    for _ in range(2):  # warm-up
+        for f in fns.values():
+            f()
+    for r in range(a.repeats):
+        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            sync()
+            t0 = time.perf_counter()
+            fns[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    floor_fo, floor_fd = med["B"] + 2 * med["M"], med["B"] + 4 * med["M"]
+    res = {"model": a.model, "device": str(d.device), "dtype": str(d.base.dtype).replace("torch.", ""),
+           "batch": [a.batch_size, int(b["input_ids"].shape[1])], "seconds": med,
+           "fo_over_plain": med["fo"] / med["plain"], "fd_over_plain": med["fd"] / med["plain"],
+           "fo_over_floor": med["fo"] / floor_fo, "fd_over_floor": med["fd"] / floor_fd}
+    if a.json:
+        print(json.dumps(res))
+        return
+    s = d.split
+    print(f"{a.model} on {d.device} ({res['dtype']}): AdapEmu = {s.student_layers} B_L + {s.messenger_layers} messenger "
+          f"layers; batch {res['batch'][0]} x {res['batch'][1]} tokens; medians of {a.repeats}")
+    print(f"  {'measurement':<34}{'seconds':>9}{'/ plain':>9}{'/ floor':>9}")
+    print(f"  {'(i)   plain PEFT LoRA step':<34}{med['plain']:>9.4f}{1.0:>9.2f}")
+    print(f"  {'      B  (no-grad B_L forward)':<34}{med['B']:>9.4f}{med['B'] / med['plain']:>9.2f}")
+    print(f"  {'      M  (messenger fwd+bwd)':<34}{med['M']:>9.4f}{med['M'] / med['plain']:>9.2f}")
+    print(f"  {'(ii)  CIDERS-FO step  (B + 2M)':<34}{med['fo']:>9.4f}{res['fo_over_plain']:>9.2f}{res['fo_over_floor']:>9.2f}")
+    print(f"  {'(iii) CIDERS-FD step  (B + 4M)':<34}{med['fd']:>9.4f}{res['fd_over_plain']:>9.2f}{res['fd_over_floor']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
