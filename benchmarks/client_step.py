@@ -14,44 +14,29 @@ interleaved and the medians of `--repeats` runs are reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from ciders.algorithms import ciders as alg
 from ciders.algorithms.ciders import grad_of
 from ciders.config import CidersConfig
-from ciders.models.decompose import decompose
-from ciders.models.load import load_model, load_tokenizer
 from ciders.models.messenger_loss import MessengerLoss
-from ciders.tasks.text import collate, load_examples, tokenize
-
-ROOT = Path(__file__).resolve().parents[1]
+from ciders.tasks.text import collate
+from common import parser, setup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--messenger-layers", type=int, default=2)
-    ap.add_argument("--drop-ratio", type=float, default=0.5)
-    ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--max-length", type=int, default=128)
+    ap = parser(__doc__, batch_size=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    d = decompose(load_model(a.model, device=a.device, dtype=a.dtype), a.messenger_layers, drop_ratio=a.drop_ratio,
-                  model_name=a.model)
-    tok = load_tokenizer(a.model)
-    ex, _ = load_examples(ROOT / "data" / "gsm8k-slice" / "clients.jsonl", limit=a.batch_size)
-    b = collate(tokenize(ex, tok, a.max_length), tok.pad_token_id, d.device)
+    d, tok, feats = setup(a, "clients.jsonl", a.batch_size)
+    b = collate(feats, tok.pad_token_id, d.device)
     loss = MessengerLoss(d)
     base = CidersConfig(local_steps=1, lr=1e-4, eta_in=1e-4, gamma=0.01, alpha=0.002, tau=0.02)
     cfgs = {"fo": replace(base, metagrad="fo"), "fd": replace(base, metagrad="fd")}

@@ -10,42 +10,26 @@ are compared to show the cache changes nothing but the time.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from ciders.config import TAKDConfig
-from ciders.models.decompose import decompose
-from ciders.models.distill import TeacherCache, distill, init_state
-from ciders.models.load import load_model, load_tokenizer
-from ciders.tasks.text import load_examples, tokenize
+from common import parser, setup
 
-ROOT = Path(__file__).resolve().parents[1]
+from ciders.config import TAKDConfig
+from ciders.models.distill import TeacherCache, distill, init_state
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--messenger-layers", type=int, default=2)
-    ap.add_argument("--drop-ratio", type=float, default=0.5)
+    ap = parser(__doc__, batch_size=4)
     ap.add_argument("--examples", type=int, default=64)
-    ap.add_argument("--max-length", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="T_L: TAKD steps per round")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     a = ap.parse_args()
 
     torch.manual_seed(0)
-    model = load_model(a.model, device=a.device, dtype=a.dtype)
-    tok = load_tokenizer(a.model)
-    d = decompose(model, a.messenger_layers, drop_ratio=a.drop_ratio, model_name=a.model)
-    ex, _ = load_examples(ROOT / "data" / "gsm8k-slice" / "public.jsonl", limit=a.examples)
-    feats = tokenize(ex, tok, a.max_length)
+    d, tok, feats = setup(a, "public.jsonl", a.examples)
     pad = tok.pad_token_id
     cfg = TAKDConfig(lr=2e-3, batch_size=a.batch_size)
     s = d.split

@@ -1,0 +1,33 @@
+"""What the benchmarks share: the model arguments and building a decomposition and real text from them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ciders.models.decompose import decompose
+from ciders.models.load import load_model, load_tokenizer
+from ciders.tasks.text import load_examples, tokenize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parser(doc: str, batch_size: int) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--messenger-layers", type=int, default=2)
+    ap.add_argument("--drop-ratio", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=batch_size)
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    return ap
+
+
+def setup(a: argparse.Namespace, data_file: str, examples: int):
+    """(decomposition, tokenizer, tokenized examples of the vendored GSM8K slice)."""
+    d = decompose(load_model(a.model, device=a.device, dtype=a.dtype), a.messenger_layers, drop_ratio=a.drop_ratio,
+                  model_name=a.model)
+    tok = load_tokenizer(a.model)
+    ex, _ = load_examples(ROOT / "data" / "gsm8k-slice" / data_file, limit=examples)
+    return d, tok, tokenize(ex, tok, a.max_length)
