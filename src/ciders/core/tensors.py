@@ -67,14 +67,6 @@ def norm(a: Mapping) -> float:
     return float(sum((a[k].double() ** 2).sum() for k in sorted(a))) ** 0.5
 
 
-def numel(a: Mapping) -> int:
-    return sum(v.numel() for v in a.values())
-
-
-def to(a: Mapping, device=None, dtype=None) -> State:
-    return {k: v.to(device=device, dtype=dtype) for k, v in a.items()}
-
-
 def equal(a: Mapping, b: Mapping) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

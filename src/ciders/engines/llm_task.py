@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ciders.config import ExperimentConfig
 from ciders.errors import CidersError
@@ -30,13 +31,21 @@ class LLMTask:
         self.cfg, self.log = cfg, log
         self.d, self.tok = build(cfg)
         self.pad = self.tok.pad_token_id
+        s = self.d.split
+        log(f"model {cfg.model.name}: {s.n_layers} layers on {self.d.device} ({self.d.base.dtype}); messenger "
+            f"{s.messenger_layers} layers, B_F {s.teacher_layers}, B_L {s.student_layers} at {list(s.student_indices)}")
         self._load_data(Path(out))
+        log(f"data: {len(self.public)} public, {len(self.global_eval)} global eval, clients "
+            + ", ".join(f"{c} {len(self.train[c])}+{len(self.heldout[c])}" for c in sorted(self.train)) + " (train+heldout)")
         tc = cfg.takd
         self.cache = None
         if tc.teacher_cache != "off":
+            bar = tqdm(total=len(self.public), desc="teacher cache B_F(x)", unit="ex", leave=False)
             self.cache = TeacherCache.build(self.d, self.public, self.pad, batch_size=cfg.data.eval_batch_size,
                                             mode=tc.teacher_cache, directory=Path(out) / "teacher_cache",
-                                            memory_limit_mib=tc.cache_memory_mib)
+                                            memory_limit_mib=tc.cache_memory_mib,
+                                            progress=lambda i, n: bar.update(i - bar.n))
+            bar.close()
         self.loss = MessengerLoss(self.d)
         self._hidden: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -96,8 +105,15 @@ class LLMTask:
 
     def initial_extra(self):
         tc = self.cfg.takd
+        bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
+
+        def on_step(rec: dict) -> None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}")
+
         st, hist = distill(self.d, init_state(self.d), self.d.messenger_state(), self.public, tc, tc.bootstrap_steps,
-                           pad_id=self.pad, seed=self.cfg.seed, cache=self.cache)
+                           pad_id=self.pad, seed=self.cfg.seed, cache=self.cache, on_step=on_step)
+        bar.close()
         t, m = takd_record(st)
         pre = {"steps": tc.bootstrap_steps, **({"first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]} if hist else {})}
         return t, m, pre

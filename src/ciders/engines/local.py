@@ -178,6 +178,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         extra_t, extra_m, pre_metrics = task.initial_extra()
         extra = task.extra_from_record(extra_t, extra_m)
         server = alg.init_server(messenger0, fed.rounds)
+        log("evaluating before the first round")
         ev = task.evaluate(-1, server, {})
         for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
             append_jsonl(run.metrics, rec)
@@ -274,6 +275,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
                  "bytes_down": bytes_down, "bytes_up": bytes_up}]
         last = t == fed.rounds - 1
         if last or (fed.eval_every and (t + 1) % fed.eval_every == 0):
+            bar.set_description(f"round {t + 1}/{fed.rounds} evaluating")
             who = ids if fed.eval_clients == "all" else sampled
             pers = {cid: s.personalized for cid in who if (s := _maybe_client(clients_store, cid)) and s.personalized}
             recs.append({"event": "eval", "round": t, **task.evaluate(t, server, pers)})

@@ -19,14 +19,13 @@ import torch
 from torch import nn
 
 from ciders.config import LoraConfig
+from ciders.core.tensors import State
 from ciders.errors import CidersError
 from ciders.fileio import atomic_dir
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
 META_FILE = "ciders_adapter.json"
-
-State = dict[str, torch.Tensor]
 
 
 def target_regex(layer_indices: Iterable[int], targets: Iterable[str], layers_path: str = "model.layers") -> str:
