@@ -48,3 +48,27 @@ def hand_stack(model, layers, ids):
     """embed -> the given decoder layers -> norm -> head, run by hand."""
     h = run_layers(model, layers, model.model.embed_tokens(ids), ids.size(1))
     return model.lm_head(model.model.norm(h))
+
+
+def shared(*parts):
+    """A path under the shared datasets ($CIDERS_DATA), or skip the test with the reason."""
+    import pytest
+
+    from ciders.tasks.paths import data_root
+
+    p = data_root().joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not found (set CIDERS_DATA to the shared datasets directory)")
+    return p
+
+
+def toolchain(language):
+    import pytest
+
+    from ciders.errors import CidersError
+    from ciders.eval.humaneval import check_toolchain
+
+    try:
+        check_toolchain(language)
+    except CidersError as exc:
+        pytest.skip(str(exc))

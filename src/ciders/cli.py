@@ -82,7 +82,9 @@ def _cmd_export(a: argparse.Namespace) -> int:
     cfg = load_config(run / "config.yaml")
     d, tok = build(cfg)
     if a.client:
-        messenger = _personalized(run, a.client, d)
+        from ciders.engines.local import load_personalized
+
+        messenger = load_personalized(run, a.client, d)
     else:
         messenger = d.read_adapter(Path(a.messenger) if a.messenger else run / "adapters" / "messenger", "messenger")
     student = d.read_adapter(run / "adapters" / "student", "student")
@@ -92,19 +94,51 @@ def _cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
-def _personalized(run: Path, client: str, d) -> dict:
-    from ciders.algorithms.ciders import client_from_record
-    from ciders.core.store import RoundStore
-    from ciders.engines.local import RunDir
-    from ciders.models.adapters import check_state
+def _cmd_eval(a: argparse.Namespace) -> int:
+    from ciders.engines.evaluation import eval_run
 
-    committed = RunDir(run).committed()
-    rec = RoundStore(run / "clients", committed if committed is not None else -1).get(client) if (run / "clients").is_dir() else None
-    st = client_from_record(*rec) if rec else None
-    if st is None or st.personalized is None:
-        raise CidersError(f"{run}: client {client!r} has no personalized messenger (never trained in this run)")
-    check_state(d.messenger_params(), st.personalized, f"client {client}")
-    return st.personalized
+    tasks = tuple(t.strip() for t in a.tasks.split(",") if t.strip()) if a.tasks else None
+    out = eval_run(a.run_dir, tasks, a.path, a.messenger, a.limit)
+    print(json.dumps({t: _brief(r) for t, r in out["tasks"].items()}, indent=2))
+    return 0
+
+
+def _brief(r: dict) -> dict:
+    keep = ("ppl", "nll", "tokens", "exact_match", "correct", "questions", "rouge_l", "pass@1", "statuses", "tasks",
+            "examples", "delta_cross", "diag_mean", "off_mean")
+    return {k: r[k] for k in keep if k in r}
+
+
+def _cmd_score_code(a: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from ciders.eval import humaneval
+
+    path = Path(a.completions)
+    if not path.is_file():
+        raise CidersError(f"completions file not found: {path}")
+    recs = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            recs.append({"task_id": str(r["task_id"]), "completion": str(r["completion"])})
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CidersError(f"{path}:{n}: expected {{\"task_id\", \"completion\"}} per line ({exc})") from exc
+    if a.samples_per_task:
+        counts = Counter(r["task_id"] for r in recs)
+        bad = {t: c for t, c in counts.items() if c != a.samples_per_task}
+        if bad:
+            t, c = next(iter(bad.items()))
+            raise CidersError(f"--samples-per-task {a.samples_per_task}: task {t} has {c} samples ({len(bad)} tasks differ)")
+    ks = sorted({1, *(int(k) for k in a.k.split(",") if k.strip())}) if a.k else [1]
+    if a.samples_per_task:
+        ks = sorted({*ks, a.samples_per_task})
+    probs = humaneval.load_problems(a.language, a.problems)
+    res = humaneval.score(a.language, recs, probs, ks=tuple(ks), workers=a.workers)
+    print(json.dumps(res))
+    return 0
 
 
 def _cmd_config(a: argparse.Namespace) -> int:
@@ -196,6 +230,24 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--messenger", help="PEFT messenger directory to use instead of the run's global one")
     g.add_argument("--client", help="use this client's personalized messenger from the run's client store")
     p.set_defaults(fn=_cmd_export)
+
+    p = sub.add_parser("eval", help="evaluate a run's model: ppl, gsm8k, rouge_l, humaneval:LANG, nll_matrix")
+    p.add_argument("run_dir")
+    p.add_argument("--tasks", help="comma-separated (default: ppl plus the run's eval.tasks)")
+    p.add_argument("--path", default="adapemu", choices=("adapemu", "adapfu", "teacher"),
+                   help="edge path (messenger + B_L), full path (messenger + B_F), or the pretrained model")
+    p.add_argument("--messenger", default="global", help="global, or client:ID for a personalized messenger")
+    p.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
+    p.set_defaults(fn=_cmd_eval)
+
+    p = sub.add_parser("score-code", help="score pre-generated HumanEval-X completions in the sandbox (pass@k)")
+    p.add_argument("--language", required=True, choices=("python", "java", "go"))
+    p.add_argument("--completions", required=True, help="jsonl: {task_id, completion} per line")
+    p.add_argument("--samples-per-task", type=int, help="completions per task (checked); adds pass@N")
+    p.add_argument("--k", help="comma-separated k for pass@k (default 1)")
+    p.add_argument("--problems", help="problems file (default $CIDERS_DATA/humaneval-x/humaneval_<lang>.jsonl.gz)")
+    p.add_argument("--workers", type=int, default=2, help="concurrent sandboxed programs")
+    p.set_defaults(fn=_cmd_score_code)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with its default and help")
     p.add_argument("config", nargs="?")

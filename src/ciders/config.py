@@ -220,13 +220,20 @@ class CidersConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    task: str = opt("custom", "custom (the explicit files below) or a named task: gsm8k, dolly, code, domains, math")
+    source: str | None = opt(None, "named task: a local file overriding $CIDERS_DATA's, or 'hub' (internet)")
+    public_size: int = opt(200, "named task: public (server distillation) examples [per label with per_label]")
+    eval_size: int = opt(300, "named task without an official test split: held-out examples [per label]")
+    client_size: int | None = opt(None, "named task: cap on the client pool [per label]")
+    per_label: bool = opt(False, "named task: sizes apply to each label (Protocol B: 200 public / 300 eval per domain)")
     public: str = opt("data/gsm8k-slice/public.jsonl", "server public (distillation) data: jsonl or jsonl.gz")
     eval: str = opt("data/gsm8k-slice/eval.jsonl", "global held-out evaluation data (disjoint from public)")
     clients: str | None = opt("data/gsm8k-slice/clients.jsonl", "client training data for partition: iid")
     client_files: tuple[str, ...] = opt((), "one file per client for partition: files (e.g. one domain each)")
     clients_limit: int | None = opt(None, "use only the first N records of each client source")
-    format: Literal["auto", "gsm8k", "instruction"] = opt(
-        "auto", "record format: gsm8k {question, answer}; instruction {instruction, context, response}"
+    format: Literal["auto", "gsm8k", "instruction", "mbpp", "metamath"] = opt(
+        "auto", "record format: gsm8k {question, answer}; instruction {instruction, context, response}; "
+        "mbpp {text, code}; metamath {query, response}"
     )
     max_length: int = opt(256, "tokens per example (longer examples are truncated and counted)")
     public_limit: int | None = opt(None, "use only the first N public examples")
@@ -242,13 +249,48 @@ class DataConfig:
                 raise ConfigError(f"data.{k}: must be >= 1 or null, got {v}")
         if self.eval_batch_size < 1:
             raise ConfigError(f"data.eval_batch_size: must be >= 1, got {self.eval_batch_size}")
-        _choice("data.format", self.format, ("auto", "gsm8k", "instruction"))
+        _choice("data.format", self.format, ("auto", "gsm8k", "instruction", "mbpp", "metamath"))
+        from ciders.tasks.registry import TASKS
+
+        _choice("data.task", self.task, ("custom", *TASKS))
+        for k in ("public_size", "eval_size"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"data.{k}: must be >= 1, got {getattr(self, k)}")
+        if self.client_size is not None and self.client_size < 1:
+            raise ConfigError(f"data.client_size: must be >= 1 or null, got {self.client_size}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluations scheduled inside `ciders run` (every federation.eval_every rounds) and the defaults of
+    `ciders eval`. ppl is always computed (global and per-client held-out response perplexity)."""
+
+    tasks: tuple[str, ...] = opt((), "extra evaluations: gsm8k, rouge_l, humaneval:python|java|go, nll_matrix")
+    limit: int | None = opt(None, "evaluate only the first N examples of each task")
+    max_new_tokens: int = opt(256, "generation budget for gsm8k / rouge_l / humaneval")
+    batch_size: int = opt(8, "generation batch size (left padding, KV cache)")
+    code_workers: int = opt(2, "concurrent sandboxed HumanEval-X programs")
+
+    def validate(self) -> None:
+        from ciders.engines.evaluation import EVAL_TASKS
+
+        for t in self.tasks:
+            if t not in EVAL_TASKS:
+                raise ConfigError(f"eval.tasks: unknown evaluation {t!r} (use {', '.join(EVAL_TASKS)})")
+        for k in ("max_new_tokens", "batch_size", "code_workers"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"eval.{k}: must be >= 1, got {getattr(self, k)}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"eval.limit: must be >= 1 or null, got {self.limit}")
 
 
 @dataclass(frozen=True)
 class FederationConfig:
     clients: int = opt(3, "number of registered clients N")
-    partition: Literal["iid", "files"] = opt("iid", "iid: seeded split of data.clients; files: data.client_files[i] is client i")
+    partition: Literal["iid", "natural", "dirichlet", "files"] = opt(
+        "iid", "iid | natural (one label, e.g. domain, per client) | dirichlet (over the label column) | "
+        "files (custom task: data.client_files[i] is client i)")
+    dirichlet_alpha: float = opt(0.5, "Dirichlet concentration (Protocol C: 0.1 and 0.4); smaller = more skewed")
     holdout: float = opt(0.2, "fraction of each client's examples held out for its personalized evaluation")
     per_round: int | None = opt(None, "clients sampled per round (partial participation); null = all")
     rounds: int = opt(3, "T: communication rounds")
@@ -269,7 +311,9 @@ class FederationConfig:
         for k in ("eval_every", "checkpoint_keep", "store_cache"):
             if getattr(self, k) < (0 if k == "eval_every" else 1):
                 raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
-        _choice("federation.partition", self.partition, ("iid", "files"))
+        _choice("federation.partition", self.partition, ("iid", "natural", "dirichlet", "files"))
+        if self.dirichlet_alpha <= 0:
+            raise ConfigError(f"federation.dirichlet_alpha: must be > 0, got {self.dirichlet_alpha}")
         _choice("federation.eval_clients", self.eval_clients, ("all", "participants"))
 
 
@@ -286,6 +330,7 @@ class ExperimentConfig:
     data: DataConfig = section(DataConfig, "public, client and evaluation data")
     algorithm: CidersConfig = section(CidersConfig, "CIDERS client/server update rules (SPEC 1.3-1.4)")
     federation: FederationConfig = section(FederationConfig, "clients, partition, rounds, sampling, evaluation")
+    eval: EvalConfig = section(EvalConfig, "evaluation tasks (GSM8K, ROUGE-L, HumanEval-X, NLL matrix)")
 
     def validate(self) -> "ExperimentConfig":
         for f in dataclasses.fields(self):
@@ -293,10 +338,15 @@ class ExperimentConfig:
             if dataclasses.is_dataclass(v):
                 v.validate()
         fed, data = self.federation, self.data
+        if data.task == "custom" and fed.partition in ("natural", "dirichlet"):
+            raise ConfigError(f"federation.partition={fed.partition} needs a labelled named task (data.task: dolly, "
+                              "domains or math)")
+        if data.task != "custom" and fed.partition == "files":
+            raise ConfigError("federation.partition=files is for data.task=custom")
         if fed.partition == "files" and len(data.client_files) != fed.clients:
             raise ConfigError(f"federation.partition=files needs one data.client_files entry per client "
                               f"({fed.clients}), got {len(data.client_files)}")
-        if fed.partition == "iid" and not data.clients:
+        if data.task == "custom" and fed.partition == "iid" and not data.clients:
             raise ConfigError("federation.partition=iid needs data.clients (a jsonl file to split)")
         return self
 

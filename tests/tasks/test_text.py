@@ -52,10 +52,14 @@ def test_tokenize_masks_prompt_and_counts_truncation():
     feats = tokenize([Example("ab", "cd"), Example("a" * 50, "b"), Example("p", "r" * 40)], tok, 20, rep)
     assert feats[0]["input_ids"][:2] == tok("ab")["input_ids"] and feats[0]["input_ids"][-1] == tok.eos_token_id
     assert feats[0]["labels"][:2] == [IGNORE, IGNORE] and feats[0]["labels"][2:] == feats[0]["input_ids"][2:]
-    assert len(feats) == 2 and len(feats[1]["input_ids"]) == 20
-    assert rep.truncated == 2 and rep.skipped["prompt fills max_length"] == 1 and rep.kept == 2
+    assert len(feats) == 3 and rep.truncated == 2 and rep.kept == 3 and not rep.skipped
+    # a long prompt loses its beginning and keeps the whole short response
+    assert len(feats[1]["input_ids"]) == 20 and feats[1]["input_ids"][-2:] == tok("b")["input_ids"] + [tok.eos_token_id]
+    assert sum(x != IGNORE for x in feats[1]["labels"]) == 2
+    # a long response keeps the prompt and is cut at max_length
+    assert len(feats[2]["input_ids"]) == 20 and feats[2]["labels"][0] == IGNORE and feats[2]["labels"][1] != IGNORE
     b = collate(feats, tok.pad_token_id)
-    assert b["input_ids"].shape == (2, 20) and b["attention_mask"][0].sum() == 5
+    assert b["input_ids"].shape == (3, 20) and b["attention_mask"][0].sum() == 5
     assert (b["labels"][0, 5:] == IGNORE).all()
 
 

@@ -1,9 +1,6 @@
 """The LLM task of CIDERS for the engines: decomposition, public data and TAKD on the server side,
-client data and the messenger loss on the client side, and AdapEmu evaluation (SPEC 1.1-1.4).
-
-Client data: `federation.partition` iid (a seeded split of data.clients) or files (one file per
-client); each client's examples are split into training and a held-out part for its personalized
-evaluation. Public (TAKD), client and global evaluation data must be disjoint (checked on prompts).
+client data and the messenger loss on the client side, and AdapEmu evaluation (SPEC 1.1-1.4, 1.6).
+The data (disjoint public / client / evaluation parts and the partition) come from `ciders.tasks.federated`.
 """
 
 from __future__ import annotations
@@ -19,11 +16,12 @@ from ciders.eval.metrics import perplexity
 from ciders.fileio import write_json
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
 from ciders.models.messenger_loss import MessengerLoss
+from ciders.engines import evaluation
 from ciders.engines.prealign import build
 from ciders.runtime import derived_seed
-from ciders.tasks.paths import resolve
+from ciders.tasks import federated
 from ciders.tasks.text import batches as iter_batches
-from ciders.tasks.text import DataReport, collate, load_examples, tokenize
+from ciders.tasks.text import collate
 
 
 class LLMTask:
@@ -49,52 +47,11 @@ class LLMTask:
         self.loss = MessengerLoss(self.d)
         self._hidden: dict[tuple[str, int], torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ data
     def _load_data(self, out: Path) -> None:
-        dc, fed = self.cfg.data, self.cfg.federation
-        pub, pub_rep = load_examples(resolve(dc.public), dc.format, dc.public_limit)
-        ev, ev_rep = load_examples(resolve(dc.eval), dc.format, dc.eval_limit)
-        reports = {"public": pub_rep, "eval": ev_rep}
-        if fed.partition == "iid":
-            pool, rep = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
-            reports["clients"] = rep
-            perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derived_seed(self.cfg.seed, 17)))
-            shards = [[pool[j] for j in perm[i :: fed.clients].tolist()] for i in range(fed.clients)]
-        else:
-            shards = []
-            for i, f in enumerate(dc.client_files):
-                ex, rep = load_examples(resolve(f), dc.format, dc.clients_limit)
-                reports[f"client{i}"] = rep
-                shards.append(ex)
-        prompts = {"public": {e.prompt for e in pub}, "eval": {e.prompt for e in ev}}
-        client_prompts = {e.prompt for s in shards for e in s}
-        for a, b in (("public", "eval"),):
-            if prompts[a] & prompts[b]:
-                raise CidersError(f"{len(prompts[a] & prompts[b])} prompts occur in both {a} and {b} data")
-        for name, ps in prompts.items():
-            if ps & client_prompts:
-                raise CidersError(f"{len(ps & client_prompts)} client prompts also occur in the {name} data")
-        ml = dc.max_length
-        self.public = tokenize(pub, self.tok, ml, pub_rep)
-        self.global_eval = tokenize(ev, self.tok, ml, ev_rep)
-        self.train: dict[str, list[dict]] = {}
-        self.heldout: dict[str, list[dict]] = {}
-        part = {}
-        for i, shard in enumerate(shards):
-            cid = f"client{i}"
-            n_hold = int(round(len(shard) * fed.holdout))
-            rep_h, rep_t = DataReport(f"{cid} heldout"), DataReport(f"{cid} train")
-            feats_h = tokenize(shard[:n_hold], self.tok, ml, rep_h)
-            feats_t = tokenize(shard[n_hold:], self.tok, ml, rep_t)
-            if not feats_t:
-                raise CidersError(f"{cid} has no training examples after the holdout split ({rep_t.summary()})")
-            self.train[cid], self.heldout[cid] = feats_t, feats_h
-            part[cid] = {"train": len(feats_t), "heldout": len(feats_h), "truncated": rep_h.truncated + rep_t.truncated,
-                         "skipped": dict(rep_h.skipped + rep_t.skipped)}
-        if not self.public or not self.global_eval:
-            raise CidersError("public or evaluation data is empty after tokenization")
-        write_json(out / "data.json", {"reports": {k: r.to_dict() for k, r in reports.items()}, "partition": part,
-                                       "partition_kind": fed.partition, "max_length": ml})
+        self.data = federated.build(self.cfg, self.tok)
+        self.public, self.global_eval = self.data.public, self.data.global_eval
+        self.train, self.heldout = self.data.train, self.data.heldout
+        write_json(out / "data.json", self.data.info)
 
     # ------------------------------------------------------------------ task protocol
     def clients(self) -> dict[str, int]:
@@ -188,14 +145,23 @@ class LLMTask:
         """AdapEmu response NLL/PPL: global messenger on the global held-out set and on each client's
         held-out part; each client's personalized messenger on its own held-out part."""
         out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
+        pers = {cid: {k: v.to(self.d.device) for k, v in st.items()} for cid, st in personalized.items()}
         for cid in sorted(self.train):
             if not self.heldout[cid]:
                 continue
             row = {"global": self._ppl(server.messenger, self.heldout[cid])}
-            if cid in personalized:
-                row["personalized"] = self._ppl({k: v.to(self.d.device) for k, v in personalized[cid].items()},
-                                                self.heldout[cid])
+            if cid in pers:
+                row["personalized"] = self._ppl(pers[cid], self.heldout[cid])
             out["clients"][cid] = row
+        for name in self.cfg.eval.tasks:  # scheduled task evaluations of the AdapEmu path
+            self.d.load_messenger(server.messenger)
+            msgs = {self.data.client_label[c]: m for c, m in pers.items() if c in self.data.client_label}
+            if name == "nll_matrix" and len(msgs) < len(self.data.eval_by_label):
+                out[name] = {"skipped": "not every domain's client has a personalized messenger yet"}
+                continue
+            out[name] = evaluation.evaluate(name, self.d.adapemu, self.tok, self.cfg.eval, data=self.data,
+                                            seed=self.cfg.seed, messengers=msgs, load_messenger=self.d.load_messenger,
+                                            max_length=self.cfg.data.max_length)
         self.d.load_messenger(server.messenger)
         return out
 

@@ -180,6 +180,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         server = alg.init_server(messenger0, fed.rounds)
         log("evaluating before the first round")
         ev = task.evaluate(-1, server, {})
+        write_json(run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
         for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
             append_jsonl(run.metrics, rec)
         append_jsonl(run.timing, {"round": -1, "prealign_and_eval_s": time.perf_counter() - t0})
@@ -279,6 +280,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             who = ids if fed.eval_clients == "all" else sampled
             pers = {cid: s.personalized for cid in who if (s := _maybe_client(clients_store, cid)) and s.personalized}
             recs.append({"event": "eval", "round": t, **task.evaluate(t, server, pers)})
+            write_json(run.root / "eval" / f"round_{t:04d}.json", recs[-1])
         for r in recs:
             append_jsonl(run.metrics, r)
         append_jsonl(run.timing, {"round": t, "seconds": time.perf_counter() - t_round})
@@ -358,3 +360,18 @@ def summarize(run: RunDir, cfg: ExperimentConfig) -> dict:
                 "down_per_client_round": down / MIB / max(n_cr, 1), "up_per_client_round": up / MIB / max(n_cr, 1),
                 "by_component": by_comp},
     }
+
+
+def load_personalized(run: str | Path, client: str, d) -> dict:
+    """A client's personalized messenger (x_K of its last participation) from a run's client store."""
+    from ciders.models.adapters import check_state
+
+    run = Path(run)
+    committed = RunDir(run).committed()
+    store = run / "clients"
+    rec = RoundStore(store, committed if committed is not None else -1).get(client) if store.is_dir() else None
+    st = alg.client_from_record(*rec) if rec else None
+    if st is None or st.personalized is None:
+        raise CidersError(f"{run}: client {client!r} has no personalized messenger (never trained in this run)")
+    check_state(d.messenger_params(), st.personalized, f"client {client}")
+    return {k: v.to(d.device) for k, v in st.personalized.items()}

@@ -28,6 +28,8 @@ def perplexity(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> 
     model.eval()
     total, count = 0.0, 0
     for b in batches:
+        if b["input_ids"].numel() == 0:
+            continue
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
         nll, n = token_nll(out.logits, b["labels"])
         total += float(nll)

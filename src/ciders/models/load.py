@@ -38,10 +38,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # 6 layers so that messenger / teacher / strided student are all non-trivial.
     "tiny-qwen2": dict(model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, tie_word_embeddings=True),
+                       max_position_embeddings=4096, tie_word_embeddings=True),
     "tiny-llama": dict(model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, tie_word_embeddings=False),
+                       max_position_embeddings=4096, tie_word_embeddings=False),
 }
 BUILTIN = (SMOLLM2, *TINY_CONFIGS)
 

@@ -79,11 +79,18 @@ def read_records(path: str | Path, report: DataReport | None = None) -> list[dic
     return out
 
 
+FORMATS = ("gsm8k", "instruction", "mbpp", "metamath")
+
+
 def detect_format(rec: dict) -> str:
     if "question" in rec and "answer" in rec:
         return "gsm8k"
     if "instruction" in rec and "response" in rec:
         return "instruction"
+    if "text" in rec and "code" in rec:
+        return "mbpp"
+    if "query" in rec and "response" in rec:
+        return "metamath"
     raise CidersError(f"cannot tell the record format from keys {sorted(rec)}; set data.format")
 
 
@@ -106,7 +113,22 @@ def to_example(rec: dict, fmt: str) -> Example | str:
         if ctx and ctx.strip():
             prompt += f"\n### Input:\n{ctx.strip()}\n"
         return Example(prompt + "\n### Response:\n", resp.strip())
-    raise CidersError(f"data.format: unknown format {fmt!r} (use gsm8k or instruction)")
+    if fmt == "mbpp":  # task text + its asserts -> Python solution
+        text, code, tests = rec.get("text"), rec.get("code"), rec.get("test_list", [])
+        if not isinstance(text, str) or not isinstance(code, str):
+            return "missing text/code"
+        if not code.strip():
+            return "empty response"
+        tests = "\n".join(t for t in tests if isinstance(t, str)) if isinstance(tests, list) else ""
+        return Example(f"### Task:\n{text.strip()}\n{tests}\n\n### Python solution:\n", code.strip())
+    if fmt == "metamath":
+        q, a = rec.get("query"), rec.get("response")
+        if not isinstance(q, str) or not isinstance(a, str):
+            return "missing query/response"
+        if not a.strip():
+            return "empty response"
+        return Example(f"Question: {q.strip()}\nAnswer:", " " + a.strip())
+    raise CidersError(f"data.format: unknown format {fmt!r} (use {', '.join(FORMATS)})")
 
 
 def load_examples(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tuple[list[Example], DataReport]:
@@ -132,24 +154,20 @@ def load_examples(path: str | Path, fmt: str = "auto", limit: int | None = None)
 
 def tokenize(examples: Sequence[Example], tokenizer: Any, max_length: int, report: DataReport | None = None) -> list[dict]:
     """Each example -> {input_ids, labels} (lists of ints); labels are IGNORE on prompt tokens.
-    Appends EOS so the model learns to stop. Over-long examples are truncated from the right and
-    counted; an example whose prompt alone fills max_length keeps no response token and is skipped."""
+    Appends EOS so the model learns to stop. An over-long example is truncated and counted: the
+    response keeps what the prompt leaves, but at least a quarter of max_length, and the prompt loses
+    its beginning (long contexts such as tables keep their end, next to the question and answer)."""
     eos = tokenizer.eos_token_id
     feats = []
     for ex in examples:
         p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
         r = tokenizer(ex.response, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-        ids = p + r
-        labels = [IGNORE] * len(p) + r
-        if len(ids) > max_length:
-            ids, labels = ids[:max_length], labels[:max_length]
+        if len(p) + len(r) > max_length:
+            keep_r = min(len(r), max(max_length // 4, max_length - len(p)))
+            p, r = p[len(p) - (max_length - keep_r):] if max_length > keep_r else [], r[:keep_r]
             if report is not None:
                 report.truncated += 1
-        if all(t == IGNORE for t in labels[1:]):
-            if report is not None:
-                report.skipped["prompt fills max_length"] += 1
-            continue
-        feats.append({"input_ids": ids, "labels": labels})
+        feats.append({"input_ids": p + r, "labels": [IGNORE] * len(p) + r})
     if report is not None:
         report.kept = len(feats)
     return feats
@@ -171,5 +189,6 @@ def collate(features: Sequence[dict], pad_id: int, device: torch.device | str | 
 
 
 def batches(features: Sequence[dict], batch_size: int, pad_id: int, device=None) -> Iterable[dict[str, torch.Tensor]]:
+    """Consecutive right-padded batches (none for no features)."""
     for i in range(0, len(features), batch_size):
         yield collate(features[i : i + batch_size], pad_id, device)
