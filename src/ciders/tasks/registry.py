@@ -11,8 +11,7 @@ counted at tokenization.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -21,7 +20,7 @@ import torch
 from ciders.errors import CidersError
 from ciders.runtime import derived_seed
 from ciders.tasks.paths import data_root
-from ciders.tasks.text import DataReport, Example, read_records, to_example
+from ciders.tasks.text import DataReport, Records, gsm8k_steps_category, read_records, validate  # noqa: F401
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 
@@ -53,54 +52,6 @@ TASKS: dict[str, TaskSpec] = {
     "math": TaskSpec("math", "gsm8k", ("gsm8k/train.jsonl",), ("meta-math/MetaMathQA", None, "train"), "category",
                      ("exact_match", "ppl")),
 }
-
-
-@dataclass
-class Records:
-    """Validated examples of one source, with their labels and what was dropped."""
-
-    examples: list[Example]
-    labels: list[str | None]
-    raw: list[dict]
-    report: DataReport
-    source: str
-
-
-def gsm8k_steps_category(answer: str) -> str:
-    steps = [ln for ln in answer.split("####")[0].strip().splitlines() if ln.strip()]
-    n = len(steps)
-    return "steps_1-2" if n <= 2 else ("steps_6+" if n >= 6 else f"steps_{n}")
-
-
-def _label(spec_label: str | None, rec: dict, fmt: str) -> str | None:
-    if spec_label is None:
-        return None
-    if spec_label == "category" and fmt == "gsm8k" and "category" not in rec:
-        return gsm8k_steps_category(rec.get("answer", ""))
-    if spec_label == "category" and "type" in rec and "category" not in rec:
-        return str(rec["type"])
-    v = rec.get(spec_label)
-    return None if v is None else str(v)
-
-
-def validate(rows: Sequence[dict], fmt: str, label: str | None, report: DataReport, limit: int | None = None) -> Records:
-    ex, labels, raw = [], [], []
-    for rec in rows:
-        if limit is not None and len(ex) >= limit:
-            break
-        e = to_example(rec, fmt)
-        if isinstance(e, str):
-            report.skipped[e] += 1
-            continue
-        lab = _label(label, rec, fmt)
-        if label is not None and lab is None:
-            report.skipped[f"missing {label}"] += 1
-            continue
-        ex.append(e)
-        labels.append(lab)
-        raw.append(rec)
-    report.kept = len(ex)
-    return Records(ex, labels, raw, report, report.source)
 
 
 def read_local(path: str | Path) -> tuple[list[dict], DataReport]:

@@ -94,15 +94,19 @@ def detect_format(rec: dict) -> str:
     raise CidersError(f"cannot tell the record format from keys {sorted(rec)}; set data.format")
 
 
+def _qa(rec: dict, q_key: str, a_key: str) -> Example | str:
+    q, a = rec.get(q_key), rec.get(a_key)
+    if not isinstance(q, str) or not isinstance(a, str):
+        return f"missing {q_key}/{a_key}"
+    if not a.strip():
+        return "empty response"
+    return Example(f"Question: {q.strip()}\nAnswer:", " " + a.strip())
+
+
 def to_example(rec: dict, fmt: str) -> Example | str:
     """An Example, or the reason the record is unusable."""
     if fmt == "gsm8k":
-        q, a = rec.get("question"), rec.get("answer")
-        if not isinstance(q, str) or not isinstance(a, str):
-            return "missing question/answer"
-        if not a.strip():
-            return "empty response"
-        return Example(f"Question: {q.strip()}\nAnswer:", " " + a.strip())
+        return _qa(rec, "question", "answer")
     if fmt == "instruction":
         ins, ctx, resp = rec.get("instruction"), rec.get("context", ""), rec.get("response")
         if not isinstance(ins, str) or not isinstance(resp, str) or not isinstance(ctx, (str, type(None))):
@@ -122,13 +126,58 @@ def to_example(rec: dict, fmt: str) -> Example | str:
         tests = "\n".join(t for t in tests if isinstance(t, str)) if isinstance(tests, list) else ""
         return Example(f"### Task:\n{text.strip()}\n{tests}\n\n### Python solution:\n", code.strip())
     if fmt == "metamath":
-        q, a = rec.get("query"), rec.get("response")
-        if not isinstance(q, str) or not isinstance(a, str):
-            return "missing query/response"
-        if not a.strip():
-            return "empty response"
-        return Example(f"Question: {q.strip()}\nAnswer:", " " + a.strip())
+        return _qa(rec, "query", "response")
     raise CidersError(f"data.format: unknown format {fmt!r} (use {', '.join(FORMATS)})")
+
+
+@dataclass
+class Records:
+    """Validated examples of one source, with their labels and raw records, and what was dropped."""
+
+    examples: list[Example]
+    labels: list[str | None]
+    raw: list[dict]
+    report: DataReport
+
+
+def record_label(label: str | None, rec: dict, fmt: str) -> str | None:
+    """A record's partition label. GSM8K has no category column: its category is derived from the
+    number of solution steps; MetaMathQA's is its `type`."""
+    if label is None:
+        return None
+    if label == "category" and fmt == "gsm8k" and "category" not in rec:
+        return gsm8k_steps_category(rec.get("answer", ""))
+    if label == "category" and "type" in rec and "category" not in rec:
+        return str(rec["type"])
+    v = rec.get(label)
+    return None if v is None else str(v)
+
+
+def gsm8k_steps_category(answer: str) -> str:
+    """Solution steps (lines before '####'), bucketed 1-2, 3, 4, 5, 6+."""
+    n = len([ln for ln in answer.split("####")[0].strip().splitlines() if ln.strip()])
+    return "steps_1-2" if n <= 2 else ("steps_6+" if n >= 6 else f"steps_{n}")
+
+
+def validate(rows: Sequence[dict], fmt: str, label: str | None, report: DataReport, limit: int | None = None) -> Records:
+    """Records -> Examples (+ labels); every unusable record is counted by reason in `report`."""
+    ex, labels, raw = [], [], []
+    for rec in rows:
+        if limit is not None and len(ex) >= limit:
+            break
+        e = to_example(rec, fmt)
+        if isinstance(e, str):
+            report.skipped[e] += 1
+            continue
+        lab = record_label(label, rec, fmt)
+        if label is not None and lab is None:
+            report.skipped[f"missing {label}"] += 1
+            continue
+        ex.append(e)
+        labels.append(lab)
+        raw.append(rec)
+    report.kept = len(ex)
+    return Records(ex, labels, raw, report)
 
 
 def load_examples(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tuple[list[Example], DataReport]:
@@ -137,16 +186,7 @@ def load_examples(path: str | Path, fmt: str = "auto", limit: int | None = None)
     if not recs:
         raise CidersError(f"{path}: no usable records ({report.summary()})")
     fmt = detect_format(recs[0]) if fmt == "auto" else fmt
-    out: list[Example] = []
-    for rec in recs:
-        if limit is not None and len(out) >= limit:
-            break
-        ex = to_example(rec, fmt)
-        if isinstance(ex, str):
-            report.skipped[ex] += 1
-        else:
-            out.append(ex)
-    report.kept = len(out)
+    out = validate(recs, fmt, None, report, limit).examples
     if not out:
         raise CidersError(f"{path}: no usable records ({report.summary()})")
     return out, report
