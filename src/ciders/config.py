@@ -158,8 +158,11 @@ class TAKDConfig:
 
 @dataclass(frozen=True)
 class CidersConfig:
-    """Client and server update rules of CIDERS (SPEC 1.3-1.4); paper values in the help texts."""
+    """Client and server update rules of CIDERS (SPEC 1.3-1.4); paper values in the help texts.
+    `name` picks CIDERS or a baseline; a baseline fixes the knobs it needs (see `ciders.algorithms`)."""
 
+    name: Literal["ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"] = opt(
+        "ciders", "ciders | fedavg | fedprox | scaffold | fedot | fedbiot | localot (baselines set their own knobs)")
     local_steps: int = opt(10, "K: optimizer updates per client per round (paper: 10 Protocol A, 20 Protocol B)")
     grad_accum: int = opt(1, "micro-batches averaged into one optimizer update")
     batch_size: int = opt(2, "examples per micro-batch")
@@ -184,6 +187,11 @@ class CidersConfig:
     weighting: Literal["size", "uniform"] = opt("size", "p_i = |D_i| / sum |D_j| over repliers, or uniform")
     upload_personalized_messenger: bool = opt(
         False, "also upload the client's messenger (needed for server-side cross-domain evaluation)")
+    consensus_update: Literal["ema", "scaffold"] = opt(
+        "ema", "server rule for c: ema = Eq. 12; scaffold = c + (1/N) sum_i dc_i (SCAFFOLD, N registered clients)")
+    client_start: Literal["global", "personalized"] = opt(
+        "global", "x_0 of a round: the broadcast messenger, or the client's own last x_K (LocalOT)")
+    communicate: bool = opt(True, "false: clients train alone after alignment; nothing is uploaded (LocalOT)")
 
     def validate(self) -> None:
         w = "algorithm"
@@ -216,6 +224,13 @@ class CidersConfig:
         _choice(f"{w}.metagrad", self.metagrad, ("fo", "fd"))
         _choice(f"{w}.gamma_schedule", self.gamma_schedule, ("constant", "protocol_c"))
         _choice(f"{w}.weighting", self.weighting, ("size", "uniform"))
+        _choice(f"{w}.name", self.name, ("ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"))
+        _choice(f"{w}.consensus_update", self.consensus_update, ("ema", "scaffold"))
+        _choice(f"{w}.client_start", self.client_start, ("global", "personalized"))
+
+    def uses_consensus(self) -> bool:
+        """Whether clients need c at all (gamma_t = 0 in every round makes c irrelevant to them)."""
+        return self.gamma > 0 or self.gamma_schedule != "constant"
 
 
 @dataclass(frozen=True)

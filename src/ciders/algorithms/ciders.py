@@ -47,7 +47,7 @@ class Broadcast:
 
     round: int
     messenger: State
-    c: State
+    c: State | None  # None when gamma_t = 0 in every round (baselines): the client uses zeros
     gamma: float
     lrs: tuple[float, ...]  # learning rate of each of the K optimizer updates
     eta_ins: tuple[float, ...]  # look-ahead step of each update (same schedule)
@@ -131,7 +131,8 @@ def round_schedule(cfg: CidersConfig, t: int, total_rounds: int) -> tuple[tuple[
 
 def make_broadcast(cfg: CidersConfig, state: ServerState, copy: ServerCopy) -> Broadcast:
     lrs, eta_ins, gamma = round_schedule(cfg, state.round, state.total_rounds)
-    return Broadcast(state.round, state.messenger, state.c, gamma, lrs, eta_ins, copy.version,
+    c = state.c if cfg.uses_consensus() else None  # not sent when no client can use it
+    return Broadcast(state.round, state.messenger, c, gamma, lrs, eta_ins, copy.version,
                      resync=copy.c_i if copy.needs_resync else None)
 
 
@@ -172,9 +173,11 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
     k_steps, accum = cfg.local_steps, cfg.grad_accum
     if len(batches) != k_steps * accum:
         raise ValueError(f"client_update needs K * grad_accum = {k_steps * accum} batches, got {len(batches)}")
-    w, c, c_i, gamma = b.messenger, b.c, st.c_i, b.gamma
+    w, c_i, gamma = b.messenger, st.c_i, b.gamma
+    c = b.c if b.c is not None else zeros_like(w)
     corr = lincomb([(gamma, c), (-gamma, c_i)])  # gamma (c - c_i): fixed within the round
-    x = clone(w)
+    start = st.personalized if cfg.client_start == "personalized" and st.personalized is not None else w
+    x = clone(start)
     opt_state = optim.adamw_init(x) if cfg.optimizer == "adamw" else None
     stats = RoundStats(c, c_i, gamma)
     steps = []
@@ -246,9 +249,13 @@ def check_upload(up: Upload, state: ServerState, copy: ServerCopy) -> str | None
 
 
 def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Upload],
-                  copies: dict[str, ServerCopy]) -> tuple[ServerState, dict[str, ServerCopy], dict]:
-    """Eq. 11 per accepted upload, then Eq. 12. `copies` holds the server's ServerCopy of every
-    client with an upload (the engine loads them from its store); returns the updated ones."""
+                  copies: dict[str, ServerCopy], n_clients: int | None = None
+                  ) -> tuple[ServerState, dict[str, ServerCopy], dict]:
+    """Eq. 11 per accepted upload, then Eq. 12 (or SCAFFOLD's rule for c, which needs the number of
+    registered clients `n_clients`). `copies` holds the server's ServerCopy of every client with an
+    upload (the engine loads them from its store); returns the updated ones."""
+    if cfg.consensus_update == "scaffold" and not n_clients:
+        raise ValueError("consensus_update=scaffold needs n_clients (the number of registered clients)")
     lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
     eta_bar = sum(lrs) / cfg.local_steps
     new_copies = dict(copies)
@@ -275,7 +282,10 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     p = cs.weights([u.n_examples for u, _ in accepted], uniform=cfg.weighting == "uniform")
     delta_bar = cs.weighted_mean([d for _, d in accepted], p)
     messenger = cs.server_messenger(state.messenger, delta_bar, cfg.tau, cfg.local_steps, eta_bar)  # Eq. 12
-    c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
+    if cfg.consensus_update == "scaffold":
+        c = cs.scaffold_consensus(state.c, [u.dc for u, _ in accepted], n_clients)
+    else:
+        c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
     metrics.update({"p": dict(zip([u.client_id for u, _ in accepted], p)), "delta_bar_norm": norm(delta_bar),
                     "c_norm": norm(c)})
     return ServerState(state.round + 1, state.total_rounds, messenger, c), new_copies, metrics
@@ -338,7 +348,7 @@ def decode_broadcast(msg: bytes, messenger_ref: State, extra_ref: dict | None = 
 
     comps, meta = decode(msg, {"messenger": messenger_ref, "c": messenger_ref, "resync": messenger_ref,
                                **(extra_ref or {})}, device)
-    b = Broadcast(meta["round"], comps["messenger"], comps["c"], meta["gamma"], tuple(meta["lrs"]),
+    b = Broadcast(meta["round"], comps["messenger"], comps.get("c"), meta["gamma"], tuple(meta["lrs"]),
                   tuple(meta["eta_ins"]), meta["version"], comps.get("resync"))
     return b, {k: v for k, v in comps.items() if k not in ("messenger", "c", "resync")}
 

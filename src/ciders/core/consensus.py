@@ -64,3 +64,13 @@ def server_messenger(w: State, delta_bar: State, tau: float, k: int, eta_bar: fl
 def server_consensus(c: State, delta_bar: State, alpha: float) -> State:
     """Eq. 12, global consensus."""
     return lincomb([(1.0 - alpha, c), (alpha, delta_bar)])
+
+
+def scaffold_consensus(c: State, dcs: Sequence[State], n_clients: int) -> State:
+    """SCAFFOLD's server control variate (Karimireddy et al. 2020, Alg. 1 line 17):
+    c' = c + (1/N) sum_{i in S} dc_i over the N registered clients. With gamma = alpha = 1 the client rule
+    Eq. 9 is SCAFFOLD's option II, c_i' = c_i - c + Delta_i, and under full participation this equals
+    Eq. 12 with alpha = 1 (c' = mean Delta_i); the two differ when only some clients reply."""
+    if n_clients < 1:
+        raise ValueError(f"scaffold_consensus needs n_clients >= 1, got {n_clients}")
+    return lincomb([(1.0, c)] + [(1.0 / n_clients, d) for d in dcs])

@@ -26,6 +26,9 @@ from ciders.tasks.text import collate
 
 class LLMTask:
     def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print):
+        from ciders.algorithms import configure
+
+        cfg = configure(cfg)  # a baseline's TAKD settings (FedBiOT, FedOT) live in its config
         self.cfg, self.log = cfg, log
         self.d, self.tok = build(cfg)
         self.pad = self.tok.pad_token_id
@@ -143,9 +146,16 @@ class LLMTask:
 
     def evaluate(self, t: int, server, personalized: dict) -> dict:
         """AdapEmu response NLL/PPL: global messenger on the global held-out set and on each client's
-        held-out part; each client's personalized messenger on its own held-out part."""
-        out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
+        held-out part; each client's personalized messenger on its own held-out part. Without
+        communication (LocalOT) there is no global messenger: "global" figures and task metrics are the
+        mean over the clients' own messengers (`local_models` says how many)."""
         pers = {cid: {k: v.to(self.d.device) for k, v in st.items()} for cid, st in personalized.items()}
+        if not self.cfg.algorithm.communicate and pers:
+            return self._evaluate_local(server, pers)
+        return self._evaluate(server, pers)
+
+    def _evaluate(self, server, pers: dict) -> dict:
+        out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
         for cid in sorted(self.train):
             if not self.heldout[cid]:
                 continue
@@ -154,21 +164,57 @@ class LLMTask:
                 row["personalized"] = self._ppl(pers[cid], self.heldout[cid])
             out["clients"][cid] = row
         for name in self.cfg.eval.tasks:  # scheduled task evaluations of the AdapEmu path
-            self.d.load_messenger(server.messenger)
-            msgs = {self.data.client_label[c]: m for c, m in pers.items() if c in self.data.client_label}
-            if name == "nll_matrix" and len(msgs) < len(self.data.eval_by_label):
-                out[name] = {"skipped": "not every domain's client has a personalized messenger yet"}
-                continue
-            out[name] = evaluation.evaluate(name, self.d.adapemu, self.tok, self.cfg.eval, data=self.data,
-                                            seed=self.cfg.seed, messengers=msgs, load_messenger=self.d.load_messenger,
-                                            max_length=self.cfg.data.max_length)
+            out[name] = self._task(name, server.messenger, pers)
         self.d.load_messenger(server.messenger)
         return out
+
+    def _evaluate_local(self, server, pers: dict) -> dict:
+        runs = []
+        for cid, m in sorted(pers.items()):
+            r = {"global": self._ppl(m, self.global_eval)}
+            for name in self.cfg.eval.tasks:
+                if name != "nll_matrix":
+                    r[name] = self._task(name, m, {})
+            runs.append(r)
+        out = _mean_tree(runs)
+        out["clients"] = {cid: {"personalized": self._ppl(pers[cid], self.heldout[cid])}
+                          for cid in sorted(pers) if self.heldout.get(cid)}
+        if "nll_matrix" in self.cfg.eval.tasks:
+            out["nll_matrix"] = self._task("nll_matrix", server.messenger, pers)
+        out["local_models"] = len(runs)
+        self.d.load_messenger(server.messenger)
+        return out
+
+    def _task(self, name: str, messenger: dict, pers: dict) -> dict:
+        self.d.load_messenger(messenger)
+        msgs = {self.data.client_label[c]: m for c, m in pers.items() if c in self.data.client_label}
+        if name == "nll_matrix" and len(msgs) < len(self.data.eval_by_label):
+            return {"skipped": "not every domain's client has a personalized messenger yet"}
+        return evaluation.evaluate(name, self.d.adapemu, self.tok, self.cfg.eval, data=self.data, seed=self.cfg.seed,
+                                   messengers=msgs, load_messenger=self.d.load_messenger,
+                                   max_length=self.cfg.data.max_length)
 
     def finalize(self, out: Path, server, extra: TAKDState) -> None:
         """The run's final global messenger and student LoRA as PEFT directories (for `ciders export`)."""
         self.d.save_messenger(Path(out) / "adapters" / "messenger", server.messenger)
         self.d.save_student(Path(out) / "adapters" / "student", extra.student)
+
+
+def _mean_tree(trees: list):
+    """Elementwise mean of same-shaped metric trees (numbers averaged; perplexities recomputed as
+    exp(mean NLL) where an 'nll' sits beside them; other leaves taken from the first tree)."""
+    import math
+
+    first = trees[0]
+    if isinstance(first, dict):
+        out = {k: _mean_tree([t[k] for t in trees if isinstance(t, dict) and k in t]) for k in first}
+        if "nll" in out and "ppl" in out and isinstance(out["nll"], float):
+            out["ppl"] = math.exp(out["nll"])
+        return out
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+            isinstance(t, (int, float)) for t in trees):
+        return sum(trees) / len(trees) if isinstance(first, float) or len(set(trees)) > 1 else first
+    return first
 
 
 def render(summary: dict) -> str:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from ciders import algorithms
 from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
 from ciders.core.store import RoundStore
@@ -150,6 +151,8 @@ def _check_same_config(run: RunDir, cfg: ExperimentConfig) -> None:
 
 def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: bool = False,
                    faults: Faults | None = None, log: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Run (or resume) the federation of `cfg.algorithm.name` (CIDERS or a baseline; `ciders.algorithms`)."""
+    given, cfg = cfg, algorithms.configure(cfg)
     run = RunDir(out)
     run.root.mkdir(parents=True, exist_ok=True)
     faults = faults or Faults()
@@ -165,6 +168,8 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         for p in (run.metrics, run.timing):
             p.unlink(missing_ok=True)
         write_text(run.root / "config.yaml", dump_yaml(cfg))
+        for line in algorithms.changes(given, cfg):
+            log(f"{algorithms.method_name(cfg)} sets {line}")
     clients_store = RoundStore(run.root / "clients", committed if committed is not None else -1, fed.store_cache)
     server_store = RoundStore(run.root / "server", committed if committed is not None else -1, fed.store_cache)
 
@@ -200,7 +205,8 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         server = _to_device(server, messenger0)
 
     per_round = fed.per_round or len(ids)
-    bar = tqdm(total=(fed.rounds - committed - 1) * per_round, desc="CIDERS", unit="client", disable=not progress)
+    bar = tqdm(total=(fed.rounds - committed - 1) * per_round, desc=algorithms.method_name(cfg), unit="client",
+               disable=not progress)
     late: list[bytes] = []
     for t in range(committed + 1, fed.rounds):
         t_round = time.perf_counter()
@@ -217,7 +223,9 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             copy = _load_copy(server_store, cid, messenger0)
             b = alg.make_broadcast(acfg, server, copy)
             msg, sizes_d = alg.encode_broadcast(b, down_extra)
-            _count(bytes_down, sizes_d)
+            first_contact = clients_store.get(cid) is None
+            if acfg.communicate or first_contact:  # without communication only the first download happens
+                _count(bytes_down, sizes_d)
             # ---- client side
             b_c, extra_c = alg.decode_broadcast(msg, ref, {k: v for k, v in down_extra.items()}, device=_dev(ref))
             if not begun:
@@ -228,16 +236,20 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             up, cstate, cm = alg.client_update(acfg, b_c, cstate, task.loss_fn(cid), batches)
             clients_store.put(cid, t, *alg.client_record(cstate))
             upmsg, sizes_u = alg.encode_upload(up)
+            if not acfg.communicate:
+                upmsg, sizes_u = b"", {}
             _count(bytes_up, sizes_u)
             losses.append(cm.get("loss"))
             append_jsonl(run.metrics, {"event": "client", **cm, "round": t, "bytes_up": len(upmsg),
-                                       "bytes_down": len(msg)})
+                                       "bytes_down": len(msg) if acfg.communicate or first_contact else 0})
             # ---- channel
             key = (t, cid)
             if key in faults.corrupt and up.dc is not None:
                 upmsg, _ = alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version, up.n_examples,
                                                         {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))
-            if key in faults.delay:
+            if not acfg.communicate:
+                pass
+            elif key in faults.delay:
                 late.append(upmsg)
             elif key not in faults.drop:
                 delivered.append(upmsg)
@@ -258,7 +270,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             if u.client_id not in sizes:
                 malformed[u.client_id] = "unknown client id"
         copies = {u.client_id: _load_copy(server_store, u.client_id, messenger0) for u in known}
-        server, new_copies, sm = alg.server_update(acfg, server, known, copies)
+        server, new_copies, sm = alg.server_update(acfg, server, known, copies, n_clients=len(ids))
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
                 server_store.put(cid, t, *alg.copy_record(cp))
