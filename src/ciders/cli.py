@@ -59,6 +59,34 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(a: argparse.Namespace) -> int:
+    from ciders.engines.compare import parse_methods, parse_seeds, run_compare
+
+    cfg = _load_cfg(a)
+    methods, seeds = parse_methods(a.algorithms), parse_seeds(a.seeds)
+    out = Path(a.out) if a.out else Path("runs") / f"compare-{cfg.name}"
+    run_compare(cfg, methods, seeds, out)
+    print((out / "compare.md").read_text())
+    print(f"comparison directory: {out} (compare.md, compare.json; `ciders report {out}` draws it)")
+    return 0
+
+
+def _cmd_sweep(a: argparse.Namespace) -> int:
+    from ciders.engines.compare import parse_methods, parse_seeds
+    from ciders.engines.sweep import parse_grid, run_sweep
+
+    cfg = _load_cfg(a)
+    grid = parse_grid(a.grid or [])
+    if not grid:
+        raise CidersError("sweep: give at least one --grid KEY=v1,v2")
+    out = Path(a.out) if a.out else Path("runs") / f"sweep-{cfg.name}"
+    metrics = tuple(m.strip() for m in a.metrics.split(",") if m.strip())
+    run_sweep(cfg, grid, parse_methods(a.algorithms), parse_seeds(a.seeds), out, metrics)
+    print((out / "sweep.md").read_text())
+    print(f"sweep directory: {out} (sweep.md, sweep.json, one compare directory per point)")
+    return 0
+
+
 def _cmd_theory(a: argparse.Namespace) -> int:
     from ciders.engines.theory import run_theory
 
@@ -201,12 +229,31 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--out", help="run directory (default runs/<name>)")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("run", help="a CIDERS federation on the in-process engine")
+    p = sub.add_parser("run", help="a federation (CIDERS or the baseline in algorithm.name) on the in-process engine")
     p.add_argument("config", help="experiment YAML")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", help="run directory (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")
+    p.add_argument("config", help="experiment YAML (the shared settings; each method fixes its own knobs)")
+    p.add_argument("--algorithms", default="ciders-fo,ciders-fd,fedbiot,fedot,localot",
+                   help="comma-separated: ciders-fo, ciders-fd, fedavg, fedprox, scaffold, fedot, fedbiot, localot")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (mean +- std over them)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", help="comparison directory (default runs/compare-<name>); finished runs are reused")
+    p.set_defaults(fn=_cmd_compare)
+
+    p = sub.add_parser("sweep", help="a comparison at every point of a config grid (compression sweep, ablations)")
+    p.add_argument("config", help="experiment YAML")
+    p.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="a config key and its values (repeatable)")
+    p.add_argument("--algorithms", default="ciders-fo,fedbiot,fedot", help="comma-separated methods")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--metrics", default="nll,stored_mib", help="columns per method (keys of ciders.report.tables.METRICS)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", help="sweep directory (default runs/sweep-<name>)")
+    p.set_defaults(fn=_cmd_sweep)
 
     p = sub.add_parser("theory", help="SPEC 1.5 on synthetic clients: measured DR/PPR vs psi_t per round")
     p.add_argument("--clients", type=int, default=5)

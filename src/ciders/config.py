@@ -285,6 +285,7 @@ class EvalConfig:
     max_new_tokens: int = opt(256, "generation budget for gsm8k / rouge_l / humaneval")
     batch_size: int = opt(8, "generation batch size (left padding, KV cache)")
     code_workers: int = opt(2, "concurrent sandboxed HumanEval-X programs")
+    tasks_before: bool = opt(True, "also run eval.tasks before the first round (false: perplexities only)")
 
     def validate(self) -> None:
         from ciders.engines.evaluation import EVAL_TASKS

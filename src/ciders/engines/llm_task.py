@@ -150,11 +150,12 @@ class LLMTask:
         communication (LocalOT) there is no global messenger: "global" figures and task metrics are the
         mean over the clients' own messengers (`local_models` says how many)."""
         pers = {cid: {k: v.to(self.d.device) for k, v in st.items()} for cid, st in personalized.items()}
+        tasks = self.cfg.eval.tasks if t >= 0 or self.cfg.eval.tasks_before else ()
         if not self.cfg.algorithm.communicate and pers:
-            return self._evaluate_local(server, pers)
-        return self._evaluate(server, pers)
+            return self._evaluate_local(server, pers, tasks)
+        return self._evaluate(server, pers, tasks)
 
-    def _evaluate(self, server, pers: dict) -> dict:
+    def _evaluate(self, server, pers: dict, tasks) -> dict:
         out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
         for cid in sorted(self.train):
             if not self.heldout[cid]:
@@ -163,23 +164,23 @@ class LLMTask:
             if cid in pers:
                 row["personalized"] = self._ppl(pers[cid], self.heldout[cid])
             out["clients"][cid] = row
-        for name in self.cfg.eval.tasks:  # scheduled task evaluations of the AdapEmu path
+        for name in tasks:  # scheduled task evaluations of the AdapEmu path
             out[name] = self._task(name, server.messenger, pers)
         self.d.load_messenger(server.messenger)
         return out
 
-    def _evaluate_local(self, server, pers: dict) -> dict:
+    def _evaluate_local(self, server, pers: dict, tasks) -> dict:
         runs = []
         for cid, m in sorted(pers.items()):
             r = {"global": self._ppl(m, self.global_eval)}
-            for name in self.cfg.eval.tasks:
+            for name in tasks:
                 if name != "nll_matrix":
                     r[name] = self._task(name, m, {})
             runs.append(r)
         out = _mean_tree(runs)
         out["clients"] = {cid: {"personalized": self._ppl(pers[cid], self.heldout[cid])}
                           for cid in sorted(pers) if self.heldout.get(cid)}
-        if "nll_matrix" in self.cfg.eval.tasks:
+        if "nll_matrix" in tasks:
             out["nll_matrix"] = self._task("nll_matrix", server.messenger, pers)
         out["local_models"] = len(runs)
         self.d.load_messenger(server.messenger)

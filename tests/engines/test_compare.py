@@ -1,0 +1,102 @@
+"""`ciders compare` and `ciders sweep` on the tiny model: same data for every method, per-seed values
+aggregated as mean +- sample std, finished runs reused, and payload sizes measured from the bytes that
+crossed the wire / were saved, checked against `ciders plan`."""
+
+import json
+import statistics
+
+import pytest
+
+from ciders.cli import main
+from ciders.models.plan import make_plan
+from ciders.config import load_config
+from ciders.report import tables
+from conftest import ROOT
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def cmp_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cmp") / "c"
+    assert main(["compare", TINY, "--algorithms", "ciders-fo,fedavg,localot", "--seeds", "0,1", "--out", str(out),
+                 "--set", "federation.rounds=2"]) == 0
+    return out
+
+
+def test_compare_table_is_the_mean_and_std_of_the_seeds(cmp_dir):
+    res = json.loads((cmp_dir / "compare.json").read_text())
+    assert res["methods"] == ["ciders-fo", "fedavg", "localot"] and res["seeds"] == [0, 1]
+    for m in res["methods"]:
+        vals = [res["per_seed"][m][s]["ppl"] for s in ("0", "1")]
+        fresh = tables.final_metrics(cmp_dir / m / "seed0")
+        assert fresh["ppl"] == res["per_seed"][m]["0"]["ppl"]
+        agg = res["aggregate"][m]["ppl"]
+        assert agg["mean"] == pytest.approx(statistics.fmean(vals)) and agg["std"] == pytest.approx(statistics.stdev(vals))
+    assert vals[0] != vals[1]  # seeds really differ
+    md = (cmp_dir / "compare.md").read_text()
+    best = min(res["methods"], key=lambda m: round(res["aggregate"][m]["ppl"]["mean"], 3))
+    assert f"| {best} | **" in md
+    # the same split and partition for every method of one seed
+    for s in ("seed0", "seed1"):
+        infos = {m: json.loads((cmp_dir / m / s / "data.json").read_text())["split"] for m in res["methods"]}
+        assert len({json.dumps(v, sort_keys=True) for v in infos.values()}) == 1
+    cfgs = {m: load_config(cmp_dir / m / "seed0" / "config.yaml").algorithm for m in res["methods"]}
+    assert cfgs["fedavg"].gamma == 0 and cfgs["localot"].communicate is False and cfgs["ciders-fo"].gamma == 0.05
+
+
+def test_compare_reuses_finished_runs(cmp_dir, capsys):
+    before = (cmp_dir / "fedavg" / "seed1" / "metrics.jsonl").read_bytes()
+    assert main(["compare", TINY, "--algorithms", "fedavg", "--seeds", "1", "--out", str(cmp_dir),
+                 "--set", "federation.rounds=2"]) == 0
+    assert "finished earlier, reusing" in capsys.readouterr().out
+    assert (cmp_dir / "fedavg" / "seed1" / "metrics.jsonl").read_bytes() == before
+
+
+def test_payloads_measured_match_the_plan(cmp_dir):
+    cfg = load_config(cmp_dir / "ciders-fo" / "seed0" / "config.yaml")
+    d = cfg.decomposition
+    p = make_plan(cfg.model.name, d.messenger_layers, drop_ratio=d.drop_ratio, messenger_lora=cfg.lora.messenger,
+                  student_lora=cfg.lora.student).to_dict()
+    stored = tables.stored_lora_mib(cmp_dir / "ciders-fo" / "seed0")
+    assert stored == {"messenger": p["messenger_lora_mib"], "student": p["student_lora_mib"]}
+    c = tables.communication(cmp_dir / "ciders-fo" / "seed0")["per_client_round"]
+
+    def framed(measured, plan_mib, n_tensors):
+        # a component on the wire = its tensor bytes (the plan's figure) + its safetensors header
+        extra = measured * 2**20 - plan_mib * 2**20
+        return 8 < extra < 8 + 160 * n_tensors
+
+    nm, ns = p["messenger_lora_tensors"], p["student_lora_tensors"]
+    assert framed(c["down"]["messenger"], p["downlink_mib"]["messenger"], nm)
+    assert framed(c["down"]["c"], p["downlink_mib"]["consensus"], nm)
+    assert framed(c["down"]["student"], p["downlink_mib"]["student_lora"], ns)
+    assert framed(c["up"]["dc"], p["uplink_mib"]["consensus_increment"], nm)
+    f = tables.communication(cmp_dir / "fedavg" / "seed0")["per_client_round"]
+    assert "c" not in f["down"] and f["up"]["dc"] == c["up"]["dc"]  # FedAvg: no consensus downlink
+    lo = tables.communication(cmp_dir / "localot" / "seed0")
+    assert lo["up"] == 0 and lo["per_client_round"]["down"]["messenger"] == pytest.approx(
+        c["down"]["messenger"] / 2)  # one download over two rounds
+    md = tables.communication_markdown({"ciders-fo": cmp_dir / "ciders-fo" / "seed0"})
+    assert "| ciders-fo |" in md
+
+
+def test_compare_errors(tmp_path, capsys):
+    assert main(["compare", TINY, "--algorithms", "ciders-fo,fedsgd", "--out", str(tmp_path)]) == 2
+    assert "unknown fedsgd" in capsys.readouterr().err
+    assert main(["compare", TINY, "--seeds", "0,x", "--out", str(tmp_path)]) == 2
+    assert main(["sweep", TINY, "--grid", "decomposition.drop_ratio", "--out", str(tmp_path)]) == 2
+    assert main(["sweep", TINY, "--grid", "decomposition.drop_ratio=2", "--out", str(tmp_path)]) == 2
+    assert "drop_ratio" in capsys.readouterr().err
+
+
+def test_sweep_grid(tmp_path):
+    out = tmp_path / "s"
+    assert main(["sweep", TINY, "--grid", "decomposition.drop_ratio=0.2,0.5", "--algorithms", "ciders-fo,fedot",
+                 "--out", str(out), "--set", "federation.rounds=1"]) == 0
+    res = json.loads((out / "sweep.json").read_text())
+    assert [r["values"] for r in res["rows"]] == [{"decomposition.drop_ratio": "0.2"}, {"decomposition.drop_ratio": "0.5"}]
+    mib = [r["aggregate"]["ciders-fo"]["stored_mib"]["mean"] for r in res["rows"]]
+    assert mib[0] > mib[1]  # a higher drop ratio stores fewer student LoRA layers
+    assert (out / "decomposition.drop_ratio=0.5" / "fedot" / "seed0" / "summary.json").is_file()
+    assert "| 0.5 |" in (out / "sweep.md").read_text()
