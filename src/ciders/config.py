@@ -314,6 +314,7 @@ class FederationConfig:
     eval_clients: Literal["all", "participants"] = opt("all", "whose personalized messengers to evaluate")
     checkpoint_keep: int = opt(2, "checkpoints kept in the run directory")
     store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
+    tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`)")
 
     def validate(self) -> None:
         if self.clients < 1:

@@ -170,6 +170,17 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         write_text(run.root / "config.yaml", dump_yaml(cfg))
         for line in algorithms.changes(given, cfg):
             log(f"{algorithms.method_name(cfg)} sets {line}")
+    tb = None
+    if fed.tensorboard:
+        from ciders.engines.tensorboard import Mirror
+
+        tb = Mirror(run.root / "tensorboard")
+
+    def record(rec: dict) -> None:
+        append_jsonl(run.metrics, rec)
+        if tb is not None:
+            tb.write(rec)
+
     clients_store = RoundStore(run.root / "clients", committed if committed is not None else -1, fed.store_cache)
     server_store = RoundStore(run.root / "server", committed if committed is not None else -1, fed.store_cache)
 
@@ -187,7 +198,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         ev = task.evaluate(-1, server, {})
         write_json(run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
         for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
-            append_jsonl(run.metrics, rec)
+            record(rec)
         append_jsonl(run.timing, {"round": -1, "prealign_and_eval_s": time.perf_counter() - t0})
         st, sm = alg.server_record(server)
         run.save_checkpoint(-1, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
@@ -240,7 +251,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
                 upmsg, sizes_u = b"", {}
             _count(bytes_up, sizes_u)
             losses.append(cm.get("loss"))
-            append_jsonl(run.metrics, {"event": "client", **cm, "round": t, "bytes_up": len(upmsg),
+            record({"event": "client", **cm, "round": t, "bytes_up": len(upmsg),
                                        "bytes_down": len(msg) if acfg.communicate or first_contact else 0})
             # ---- channel
             key = (t, cid)
@@ -294,7 +305,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             recs.append({"event": "eval", "round": t, **task.evaluate(t, server, pers)})
             write_json(run.root / "eval" / f"round_{t:04d}.json", recs[-1])
         for r in recs:
-            append_jsonl(run.metrics, r)
+            record(r)
         append_jsonl(run.timing, {"round": t, "seconds": time.perf_counter() - t_round})
         faults.maybe_crash(t, "checkpoint")
         st, smeta = alg.server_record(server)
@@ -305,6 +316,8 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         server_store.commit(t, [u.client_id for u in known])
         faults.maybe_crash(t, "commit")
     bar.close()
+    if tb is not None:
+        tb.close()
     task.finalize(run.root, server, extra)
     summary = summarize(run, cfg)
     write_json(run.root / "summary.json", summary)
