@@ -87,6 +87,14 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(a: argparse.Namespace) -> int:
+    from ciders.report.html import write_report
+
+    page = write_report(a.path, a.out)
+    print(f"report: {page}")
+    return 0
+
+
 def _cmd_theory(a: argparse.Namespace) -> int:
     from ciders.engines.theory import run_theory
 
@@ -254,6 +262,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", help="sweep directory (default runs/sweep-<name>)")
     p.set_defaults(fn=_cmd_sweep)
+
+    p = sub.add_parser("report", help="self-contained HTML page + PNG figures for a run, compare or sweep directory")
+    p.add_argument("path", help="a run directory, a `ciders compare` directory or a `ciders sweep` directory")
+    p.add_argument("--out", help="write DIR/report/ instead of PATH/report/")
+    p.set_defaults(fn=_cmd_report)
 
     p = sub.add_parser("theory", help="SPEC 1.5 on synthetic clients: measured DR/PPR vs psi_t per round")
     p.add_argument("--clients", type=int, default=5)

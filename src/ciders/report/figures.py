@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 DPI = 110
 # the SPEC 1.3 r_FD class boundaries (ciders.core.metagrad.fd_class) drawn on the FD profile
@@ -32,10 +33,10 @@ def _color(colors: dict[str, str] | None, method: str, i: int) -> str:
     return (colors or {}).get(method, f"C{i % 10}")
 
 
-def _grid(n: int, ncols: int, w: float = 4.2, h: float = 3.2):
+def _grid(n: int, ncols: int, w: float = 4.2, h: float = 3.2, layout: str | None = None):
     ncols = max(1, min(n, ncols))
     nrows = -(-n // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False, layout=layout)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
@@ -59,6 +60,7 @@ def seed_curves(panels: dict[str, Seeds], path: str | Path, xlabel: str = "round
                 ax.fill_between(full, lo, hi, color=c, alpha=0.2, lw=0)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if title:
@@ -72,7 +74,7 @@ def nll_heatmaps(mats: dict[str, tuple[list[str], list[str], np.ndarray]], path:
     colour scale, each cell annotated, the diagonal outlined (the paper's Fig. 7)."""
     vals = np.concatenate([m[np.isfinite(m)] for _, _, m in mats.values()])
     vmin, vmax = (float(vals.min()), float(vals.max())) if vals.size else (0.0, 1.0)
-    fig, axes = _grid(len(mats), 4, w=4.0, h=3.8)
+    fig, axes = _grid(len(mats), 4, w=4.4, h=4.0, layout="constrained")
     im = None
     for ax, (method, (rows, cols, m)) in zip(axes, mats.items()):
         im = ax.imshow(np.ma.masked_invalid(m), cmap="viridis_r", vmin=vmin, vmax=vmax)
@@ -87,7 +89,8 @@ def nll_heatmaps(mats: dict[str, tuple[list[str], list[str], np.ndarray]], path:
         ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", fontsize=7)
         ax.set_yticks(range(len(rows)), rows, fontsize=7)
         ax.set_xlabel("target domain j")
-        ax.set_ylabel("source messenger i")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("source messenger i")
         ax.set_title(method, fontsize=10)
     fig.colorbar(im, ax=axes, shrink=0.8, label="response NLL L_ij")
     return _save(fig, path)
@@ -124,10 +127,14 @@ def consensus(per_method: dict[str, tuple[list[dict], list[dict]]], path: str | 
             top.set_title(f"{label} per round", fontsize=10)
             bottom.set_title(f"{label} against gamma_t", fontsize=10)
             top.set_xlabel("round")
+            top.xaxis.set_major_locator(MaxNLocator(integer=True))
             bottom.set_xlabel("gamma_t")
+            if len(set(g[np.isfinite(g)])) == 1:  # a constant gamma stacks the rounds on one x
+                bottom.set_title(f"{label} against gamma_t (constant {g[0]:g}, one point per round)", fontsize=8.5)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+        ax.ticklabel_format(axis="y", useOffset=False)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -180,6 +187,7 @@ def fd_profile(fds: dict[str, dict], path: str | Path, colors: dict[str, str] | 
         over.set_yscale("log")
         hist.set(xlabel="r_FD per local step", ylabel="steps", title=f"{m}: r_FD histogram")
         over.set(xlabel="round", ylabel="r_FD", title=f"{m}: r_FD per step")
+        over.xaxis.set_major_locator(MaxNLocator(integer=True))
         for ax in (hist, over):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

@@ -36,7 +36,19 @@ def final_metrics(run: str | Path) -> dict[str, float]:
     evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "eval"]
     if len(evals) < 2:
         raise ValueError(f"{run}: no evaluation after training in metrics.jsonl (is the run finished?)")
-    ev = evals[-1]
+    out = metrics_of(evals[-1])
+    summ = run / "summary.json"
+    if summ.is_file():
+        mib = json.loads(summ.read_text())["mib"]
+        out["mib_down"], out["mib_up"] = mib["down_per_client_round"], mib["up_per_client_round"]
+    stored = stored_lora_mib(run)
+    if stored:
+        out["stored_mib"] = sum(stored.values())
+    return out
+
+
+def metrics_of(ev: dict) -> dict[str, float]:
+    """The METRICS-keyed scalars of one eval record (any round)."""
     out: dict[str, float] = {}
     if ev.get("global", {}).get("tokens"):
         out["ppl"], out["nll"] = ev["global"]["ppl"], ev["global"]["nll"]
@@ -54,14 +66,7 @@ def final_metrics(run: str | Path) -> dict[str, float]:
     m = ev.get("nll_matrix", {})
     if m.get("delta_cross") is not None:
         out.update(nll_diag=m["diag_mean"], nll_off=m["off_mean"], delta_cross=m["delta_cross"])
-    summ = run / "summary.json"
-    if summ.is_file():
-        mib = json.loads(summ.read_text())["mib"]
-        out["mib_down"], out["mib_up"] = mib["down_per_client_round"], mib["up_per_client_round"]
-    stored = stored_lora_mib(run)
-    if stored:
-        out["stored_mib"] = sum(stored.values())
-    return out
+    return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
 
 def stored_lora_mib(run: str | Path) -> dict[str, float]:

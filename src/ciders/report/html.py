@@ -1,0 +1,414 @@
+"""`ciders report RUN_DIR|COMPARE_DIR`: one self-contained HTML page (inline CSS, the figures embedded
+as base64 PNG, no external resources) with the comparison / communication tables and the figures of
+`ciders.report.figures`, written to <dir>/report/index.html beside the fig_*.png it embeds.
+
+A run directory is shown as a one-method, one-seed group, so both kinds of directory share every
+section; a section whose data the runs lack says so instead of failing."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ciders.errors import CidersError
+from ciders.fileio import write_text
+from ciders.report import diagnostics as dg
+from ciders.report import figures, tables
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1400px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; } h3 { font-size: 1.05em; }
+table { border-collapse: collapse; margin: .6em 0; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f2f2f2; } td:first-child, th:first-child { text-align: left; }
+figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption, .note { color: #555; font-size: 12.5px; } .na { color: #a33; font-style: italic; }
+pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: 12px; }
+nav a { margin-right: 1em; }
+"""
+
+# sets data-images-ok="N/M" on <body> once the page has loaded, and logs every figure that did not
+# decode, so a headless browser (the test) can tell that the embedded figures render
+IMAGE_CHECK = """
+window.addEventListener("load", function () {
+  var imgs = document.images, ok = 0;
+  for (var i = 0; i < imgs.length; i++) {
+    if (imgs[i].complete && imgs[i].naturalWidth > 0) { ok++; }
+    else { console.error("report: figure did not load: " + imgs[i].alt); }
+  }
+  document.body.dataset.imagesOk = ok + "/" + imgs.length;
+});
+"""
+
+
+@dataclass
+class Group:
+    """One method's runs (one per seed): the unit every figure and table draws."""
+    method: str
+    seeds: list[int]
+    runs: list[dg.Run]
+
+    @property
+    def ciders(self) -> bool:
+        """CIDERS (consensus) runs have gamma > 0; the consensus statistics of the others are trivial."""
+        return any((r.get("gamma") or 0) > 0 for run in self.runs for r in run.events("client"))
+
+    def pooled(self) -> dg.Run:
+        """All seeds' rows as one run: per-round statistics over clients x seeds (same config up to seed)."""
+        return dg.Run(self.runs[0].root, self.runs[0].cfg, [r for run in self.runs for r in run.rows])
+
+
+class Page:
+    """The HTML being assembled, and the figures written beside it."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.parts, self.toc, self.scope = folder, [], [], "this run"
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+    def section(self, title: str) -> None:
+        anchor = f"s{len(self.toc)}"
+        self.toc.append((anchor, title))
+        self.add(f'<h2 id="{anchor}">{esc(title)}</h2>')
+
+    def missing(self, what: str) -> None:
+        self.add(f'<p class="na">{esc(what)}: not available in {self.scope}.</p>')
+
+    def figure(self, name: str, draw: Callable[[Path], Path], caption: str) -> None:
+        png = draw(self.folder / f"fig_{name}.png")
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        self.add(f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{data}">'
+                 f'<figcaption>{esc(caption)} ({esc(png.name)})</figcaption></figure>')
+
+    def render(self, title: str, intro: str) -> str:
+        nav = " ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in self.toc)
+        return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+                f"<style>{CSS}</style></head>\n<body>\n<h1>{esc(title)}</h1>\n{intro}\n<nav>{nav}</nav>\n"
+                + "\n".join(self.parts) + f"\n<script>{IMAGE_CHECK}</script>\n</body></html>\n")
+
+
+def esc(x: object) -> str:
+    return html.escape(str(x))
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    """An HTML table; head and cells are already HTML (escape text with `esc`)."""
+    th = "".join(f"<th>{h}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def num(v: float | None, fmt: str = "{:.4g}") -> str:
+    return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
+
+
+def metric(key: str, v: float | None) -> str:
+    _, _, scale, fmt = tables.METRICS[key]
+    return num(None if v is None else v * scale, fmt)
+
+
+def label(key: str) -> str:
+    name, sign, _, _ = tables.METRICS[key]
+    return esc(name + {1: " ↑", -1: " ↓", 0: ""}[sign])
+
+
+# ---- reading the directory ----------------------------------------------------------------------
+
+def summary_of(run: dg.Run) -> dict | None:
+    p = run.root / "summary.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def compare_groups(root: Path, info: dict) -> tuple[dict[str, Group], list[str]]:
+    """The compare directory's runs by method, and the (method, seed) runs that could not be read."""
+    groups, lost = {}, []
+    for m in info["methods"]:
+        seeds, runs = [], []
+        for s in info["seeds"]:
+            # the recorded path, unless the comparison directory was moved (then its own copy)
+            here, recorded = root / m / f"seed{s}", info.get("runs", {}).get(m, {}).get(str(s))
+            rd = here if here.is_dir() or not recorded else Path(recorded)
+            try:
+                runs.append(dg.load_run(rd))
+                seeds.append(s)
+            except FileNotFoundError:
+                lost.append(f"{m} seed {s} ({rd})")
+        if runs:
+            groups[m] = Group(m, seeds, runs)
+    return groups, lost
+
+
+# ---- sections shared by both kinds of directory ---------------------------------------------------
+
+def curves(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> None:
+    page.section("Training loss and evaluation curves")
+    loss = {g.method: [{r["round"] + 1: r["loss"] for r in run.events("round") if _finite(r.get("loss"))}
+                       for run in g.runs] for g in groups.values()}
+    takd = {g.method: [{r["round"] + 1: r["loss"] for r in run.events("takd") if _finite(r.get("loss"))}
+                       for run in g.runs] for g in groups.values()}
+    panels = {"mean client training loss": loss, "server TAKD loss": takd}
+    panels = {k: {m: s for m, s in v.items() if any(s)} for k, v in panels.items()}
+    panels = {k: v for k, v in panels.items() if v}
+    if panels:
+        page.figure("loss", lambda p: figures.seed_curves(panels, p, colors=colors),
+                    "Per round; with several seeds their mean, band: min-max over seeds.")
+    else:
+        page.missing("training loss")
+    evals: dict[str, dict] = {}
+    for g in groups.values():
+        for run in g.runs:
+            per = {}
+            for ev in run.events("eval"):
+                for k, v in tables.metrics_of(ev).items():
+                    per.setdefault(k, {})[ev["round"] + 1] = v * tables.METRICS[k][2]
+            for k, xs in per.items():
+                evals.setdefault(k, {}).setdefault(g.method, []).append(xs)
+    if evals:
+        by_label = {tables.METRICS[k][0]: evals[k] for k in tables.METRICS if k in evals}
+        page.figure("eval", lambda p: figures.seed_curves(by_label, p, xlabel="rounds completed", colors=colors),
+                    "Evaluations over rounds (0 = before training); with several seeds their mean, band: min-max.")
+    else:
+        page.missing("evaluation curves")
+
+
+def heatmaps(page: Page, groups: dict[str, Group]) -> None:
+    page.section("Cross-domain NLL matrices")
+    mats = {}
+    for g in groups.values():
+        cells = [m["cells"] for run in g.runs for m in [_last_matrix(run)] if m]
+        if not cells:
+            continue
+        rows = sorted({s for c in cells for s in c})
+        cols = sorted({t for c in cells for s in c for t in c[s]})
+        stack = np.array([[[(c.get(s, {}).get(t) or {}).get("nll") for t in cols] for s in rows] for c in cells],
+                         dtype=float)
+        n = np.isfinite(stack).sum(0)  # seeds with the cell; a cell no seed has stays NaN (drawn blank)
+        mean = np.where(n > 0, np.nansum(stack, 0) / np.maximum(n, 1), np.nan)
+        mats[g.method if len(cells) == 1 else f"{g.method} (mean of {len(cells)} seeds)"] = (rows, cols, mean)
+    if not mats:
+        page.missing("NLL matrix (eval.tasks without nll_matrix)")
+        return
+    page.figure("nll", lambda p: figures.nll_heatmaps(mats, p),
+                "L_ij of the final evaluation: AdapEmu with source messenger i on target domain j; "
+                "shared colour scale, diagonal outlined.")
+
+
+def consensus(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> None:
+    page.section("Consensus dynamics (E-RAE, S-DR, S-PPR)")
+    ciders = {m: g for m, g in groups.items() if g.ciders}
+    if not ciders:
+        page.missing("consensus statistics (no run with gamma > 0)")
+        return
+    data = {m: (dg.round_means(g.pooled()), dg.psi_reference(g.runs[0])) for m, g in ciders.items()}
+    page.figure("consensus", lambda p: figures.consensus(data, p, colors=colors),
+                "Mean over clients (and seeds) per round, band / bars: 10th-90th percentile; dashed: the "
+                "idealised reference (DR_ref = 1 - psi_t, PPR_ref = psi_t). Lower row: against gamma_t.")
+
+
+def pca(page: Page, groups: dict[str, Group]) -> None:
+    page.section("PCA paths of the client statistics")
+    pcas, labels = {}, {}
+    for g in groups.values():
+        p = dg.pca(g.runs[0]) if g.ciders else None
+        if p:
+            pcas[f"{g.method} seed {g.seeds[0]}"] = p
+            data = g.runs[0].root / "data.json"
+            names = json.loads(data.read_text()).get("client_label", {}) if data.is_file() else {}
+            labels.update({c: f"{c} ({d})" for c, d in names.items()})
+    if not pcas:
+        page.missing("PCA (needs a CIDERS run with >= 3 client-rounds)")
+        return
+    page.figure("pca", lambda p: figures.pca_paths(pcas, p, labels), "Standardised PCA of ||c_i||, ||dc_i||, "
+                "E-RAE, S-DR, S-PPR over client-rounds; lines: early -> middle -> late centroids per client.")
+
+
+def fd(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> None:
+    page.section("Finite-difference correction profile")
+    rows, pooled = [], {}
+    for g in groups.values():
+        for s, run in zip(g.seeds, g.runs):
+            f = dg.fd_shares(run)
+            if f:
+                shares = [num(100 * f[c], "{:.1f}") for c in dg.FD_CLASSES]
+                rows.append([esc(g.method), esc(s), esc(f["steps"]), *shares, f"{f['rounds_with_event']} / {f['rounds']}"])
+        f = dg.fd_shares(g.pooled())
+        if f:
+            pooled[g.method] = f
+    if not pooled:
+        page.missing("FD correction (no second-order / FD run)")
+        return
+    page.figure("fd", lambda p: figures.fd_profile(pooled, p, colors=colors),
+                "r_FD = ||FD correction|| / ||g|| per local step (all seeds), thresholds 0.1 / 0.2.")
+    page.add(table(["method", "seed", "steps", "small % (≤ 0.1)", "moderate % (≤ 0.2)", "large % (> 0.2)",
+                    "rounds with a moderate / large step"], rows))
+
+
+def communication(page: Page, groups: dict[str, Group]) -> None:
+    page.section("Communication")
+    per = {}
+    for g in groups.values():
+        sums = [s for s in map(summary_of, g.runs) if s and s.get("client_rounds")]
+        if sums:
+            per[g.method] = {d: _mean_dict([{c: v / s["client_rounds"] for c, v in s["mib"]["by_component"][d].items()}
+                                            for s in sums]) for d in ("down", "up")}
+            per[g.method]["total"] = _mean_dict([{d: s["mib"][f"{d}_total"] for d in ("down", "up")} for s in sums])
+    if not per:
+        page.missing("communication (no summary.json)")
+        return
+    comps = {d: sorted({c for v in per.values() for c in v[d]}) for d in ("down", "up")}
+    head = ["method"] + [f"{d}: {esc(c)}" for d in ("down", "up") for c in comps[d] + ["total"]] + \
+           ["run total down", "run total up"]
+    rows = [[esc(m)] + [num(v[d].get(c) if c != "total" else sum(v[d].values()), "{:.4f}") for d in ("down", "up")
+                        for c in comps[d] + ["total"]] + [num(v["total"][d], "{:.3f}") for d in ("down", "up")]
+            for m, v in per.items()]
+    page.add('<p class="note">MiB per client-round by message component (mean over seeds); run totals in MiB.</p>')
+    page.add(table(head, rows))
+
+
+def config(page: Page, text: str, name: str) -> None:
+    page.section("Configuration")
+    page.add(f"<details><summary>{esc(name)}</summary><pre>{esc(text)}</pre></details>")
+
+
+# ---- the two kinds of directory -------------------------------------------------------------------
+
+def _figures(page: Page, groups: dict[str, Group]) -> None:
+    colors = {m: f"C{i % 10}" for i, m in enumerate(groups)}
+    curves(page, groups, colors)
+    heatmaps(page, groups)
+    consensus(page, groups, colors)
+    pca(page, groups)
+    fd(page, groups, colors)
+
+
+def compare_page(root: Path, page: Page) -> str:
+    info = json.loads((root / "compare.json").read_text())
+    groups, lost = compare_groups(root, info)
+    page.scope = "these runs"
+    agg = {m: {k: v for k, v in a.items() if k in tables.METRICS} for m, a in info.get("aggregate", {}).items()}
+    keys = [k for k in tables.METRICS if any(k in v for v in agg.values())]
+    page.section("Comparison table")
+    if keys:
+        rk = {k: tables.ranks(agg, k) for k in keys}
+        rows = []
+        for m, v in agg.items():
+            cells = [esc(m)]
+            for k in keys:
+                s = f"{metric(k, v[k]['mean'])} ± {metric(k, v[k]['std'])}" if k in v else "–"
+                r = rk[k].get(m)
+                cells.append(f"<b>{s}</b>" if r == 1 else f"<u>{s}</u>" if r == 2 else s)
+            rows.append(cells)
+        page.add(f'<p class="note">Final evaluation, mean ± std over seeds {esc(", ".join(map(str, info["seeds"])))};'
+                 " <b>best</b>, <u>second</u> at the shown precision.</p>")
+        page.add(table(["method"] + [label(k) for k in keys], rows))
+    else:
+        page.missing("comparison metrics")
+    page.section("Per-seed metrics")
+    per_seed = info.get("per_seed", {})
+    rows = [[esc(m), esc(s)] + [metric(k, ms.get(k)) for k in keys]
+            for m, seeds in per_seed.items() for s, ms in seeds.items()]
+    page.add(table(["method", "seed"] + [label(k) for k in keys], rows) if rows else '<p class="na">none</p>')
+    communication(page, groups)
+    _figures(page, groups)
+    if (root / "sweep.md").is_file():
+        page.section("Sweep")
+        page.add(f"<pre>{esc((root / 'sweep.md').read_text())}</pre>")
+    if (root / "base_config.yaml").is_file():
+        config(page, (root / "base_config.yaml").read_text(), "base_config.yaml (each method then fixes its own knobs)")
+    if lost:
+        page.add(f'<p class="na">runs not found: {esc("; ".join(lost))}</p>')
+    return (f"Comparison report: {info.get('config', root.name)} — {len(info['methods'])} methods × "
+            f"{len(info['seeds'])} seeds")
+
+
+def run_page(root: Path, page: Page) -> str:
+    run = dg.load_run(root)
+    group = Group(run.method, [run.cfg.seed], [run])
+    groups = {run.method: group}
+    page.section("Final metrics")
+    try:
+        fm = tables.final_metrics(root)
+        page.add(table(["metric", "value"], [[label(k), metric(k, v)] for k, v in fm.items() if k in tables.METRICS]))
+    except ValueError as exc:
+        page.missing(f"final metrics ({exc})")
+    page.section("Evaluation before / after training")
+    evs = run.events("eval")
+    if len(evs) >= 2:
+        before, after = tables.metrics_of(evs[0]), tables.metrics_of(evs[-1])
+        keys = [k for k in tables.METRICS if k in before or k in after]
+        page.add(table(["metric", f"round {evs[0]['round'] + 1} (before)", f"after round {evs[-1]['round'] + 1}"],
+                       [[label(k), metric(k, before.get(k)), metric(k, after.get(k))] for k in keys]))
+    else:
+        page.missing("evaluation before and after training")
+    communication(page, groups)
+    _figures(page, groups)
+    page.section("Diagnostics per round")
+    means = {r["round"]: r for r in dg.round_means(run)}
+    if means and group.ciders:
+        ref = {r["round"]: r for r in dg.psi_reference(run)}
+        cols = ("loss",) + dg.PCA_STATS
+        rows = [[esc(t + 1), num(ref.get(t, {}).get("gamma"))] + [num(m.get(k)) for k in cols]
+                + [num(ref.get(t, {}).get(k)) for k in ("dr_ref", "ppr_ref")] for t, m in means.items()]
+        page.add(table(["round", "gamma_t"] + [esc(k) for k in cols] + ["DR_ref", "PPR_ref"], rows))
+        page.add('<p class="note">Means over clients; DR_ref = 1 - psi_t, PPR_ref = psi_t (SPEC 1.5).</p>')
+    else:
+        page.missing("per-round consensus diagnostics (no CIDERS client rounds)")
+    config(page, (root / "config.yaml").read_text(), "config.yaml")
+    return f"Run report: {run.cfg.name} ({run.method}, seed {run.cfg.seed})"
+
+
+def sweep_page(root: Path, page: Page) -> str:
+    info = json.loads((root / "sweep.json").read_text())
+    page.section("Sweep table")
+    if (root / "sweep.md").is_file():
+        page.add(f"<pre>{esc((root / 'sweep.md').read_text())}</pre>")
+    page.add('<p class="note">Each point is a comparison directory; `ciders report` on one draws its figures: '
+             + esc(", ".join(r["point"] for r in info.get("rows", []))) + "</p>")
+    return f"Sweep report: {info.get('config', root.name)}"
+
+
+def write_report(path: str | Path, out: str | Path | None = None) -> Path:
+    """Write <out or path>/report/index.html (+ fig_*.png) for a run, compare or sweep directory."""
+    root = Path(path)
+    if (root / "compare.json").is_file():
+        build = compare_page
+    elif (root / "metrics.jsonl").is_file():
+        build = run_page
+    elif (root / "sweep.json").is_file():
+        build = sweep_page
+    else:
+        raise CidersError(f"{root} is neither a run directory (metrics.jsonl) nor a comparison (compare.json) "
+                          "or sweep (sweep.json) directory")
+    folder = Path(out or root) / "report"
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("fig_*.png"):  # figures of an earlier report that this one may not redraw
+        old.unlink()
+    page = Page(folder)
+    title = build(root, page)
+    intro = f'<p class="note">Directory: {esc(root.resolve())}. Figures: {esc(folder)}.</p>'
+    index = folder / "index.html"
+    write_text(index, page.render(title, intro))
+    return index
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _last_matrix(run: dg.Run) -> dict | None:
+    """The nll_matrix of the latest evaluation that has one (a skipped matrix has no cells)."""
+    ms = [ev["nll_matrix"] for ev in run.events("eval") if ev.get("nll_matrix", {}).get("cells")]
+    return ms[-1] if ms else None
+
+
+def _mean_dict(ds: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in ds for k in d}
+    return {k: float(np.mean([d[k] for d in ds if k in d])) for k in sorted(keys)}
