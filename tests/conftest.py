@@ -15,7 +15,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    # the CI machine's 2 cores; OMP_NUM_THREADS lowers it (e.g. beside a long benchmark)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 @pytest.fixture
