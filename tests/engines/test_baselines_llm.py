@@ -24,10 +24,10 @@ BASE = ["model.name=tiny-qwen2", "model.dtype=float32", "decomposition.messenger
         f"data.clients={ROOT}/data/gsm8k-slice/clients.jsonl"]
 
 
-def run(tmp_path, method):
+def run(tmp_path, method, *extra):
     out = tmp_path / method
     (tmp_path / "e.yaml").write_text("name: t\n")
-    args = [x for kv in BASE + [f"algorithm.name={method}"] for x in ("--set", kv)]
+    args = [x for kv in BASE + [f"algorithm.name={method}", *extra] for x in ("--set", kv)]
     assert main(["run", str(tmp_path / "e.yaml"), "--out", str(out), *args]) == 0
     return out
 
@@ -46,14 +46,16 @@ def ckpt(out, t):
 
 
 def test_fedot_one_round_is_fedavg_with_a_fixed_emulator(tmp_path):
-    out = run(tmp_path, "fedot")
-    msg, student = ckpt(out, 0)
+    out = run(tmp_path, "fedot", "federation.rounds=2", "federation.checkpoint_keep=3")
+    msg, student = ckpt(out, 1)  # the last round's aggregate of the clients' last x_K
     _, student0 = ckpt(out, -1)
     hand = fedavg_of_clients(out)
     assert max((msg[k] - hand[k]).abs().max().item() for k in hand) < 1e-6
     assert all(torch.equal(student[k], student0[k]) for k in student)  # aligned once, never again
-    takd = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "takd"]
-    assert takd == [{"event": "takd", "round": 0, "steps": 0}]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r for r in rows if r["event"] == "takd"] == [{"event": "takd", "round": t, "steps": 0} for t in (0, 1)]
+    down = [r["bytes_down"] for r in rows if r["event"] == "round"]
+    assert "student" in down[0] and "student" not in down[1]  # the fixed emulator is downloaded once
 
 
 def test_fedbiot_one_round_by_hand(tmp_path):

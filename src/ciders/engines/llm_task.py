@@ -90,9 +90,15 @@ class LLMTask:
     def downlink_extra(self, extra: TAKDState) -> dict:
         return {"student": extra.student}
 
+    def static_extra(self) -> set[str]:
+        """Without per-round TAKD (FedOT, LocalOT) B_L never changes after pre-alignment: a client
+        downloads it once."""
+        return {"student"} if self.cfg.takd.round_steps == 0 else set()
+
     def begin_round(self, t: int, downlink_extra: dict) -> None:
-        self.d.load_student(downlink_extra["student"])
-        self._hidden.clear()  # B_L changed: cached backbone outputs are stale
+        if "student" in downlink_extra:  # absent when static and this client already holds it
+            self.d.load_student(downlink_extra["student"])
+        self._hidden.clear()  # B_L may have changed: cached backbone outputs are stale
         self.d.messenger_top.train()  # LoRA dropout during client steps
 
     def loss_fn(self, cid: str):

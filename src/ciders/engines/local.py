@@ -17,6 +17,8 @@ A *task* supplies the model-specific parts (an LLM decomposition, or synthetic v
   initial_extra() -> (extra tensors, extra meta, metrics)     e.g. TAKD pre-alignment of B_L
   extra_from_record(tensors, meta)                            restore it from a checkpoint
   downlink_extra(extra) -> {component: State}                 e.g. the student LoRA, broadcast each round
+  static_extra() -> set of those components that never change after initial_extra (sent at first contact
+                    only; optional, default none: e.g. the student LoRA when takd.round_steps = 0)
   begin_round(t, extra)                                       e.g. load the student LoRA
   loss_fn(client_id) -> LossFn;  batches(client_id, t, n, seed) -> list of n batches
   after_server(t, server_state, extra) -> (extra', metrics)   e.g. TAKD warm-started steps
@@ -216,6 +218,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         server = _to_device(server, messenger0)
 
     per_round = fed.per_round or len(ids)
+    static = set(getattr(task, "static_extra", lambda: ())())
     bar = tqdm(total=(fed.rounds - committed - 1) * per_round, desc=algorithms.method_name(cfg), unit="client",
                disable=not progress)
     late: list[bytes] = []
@@ -233,12 +236,13 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             bar.set_description(f"round {t + 1}/{fed.rounds} client {cid}")
             copy = _load_copy(server_store, cid, messenger0)
             b = alg.make_broadcast(acfg, server, copy)
-            msg, sizes_d = alg.encode_broadcast(b, down_extra)
             first_contact = clients_store.get(cid) is None
+            mine = down_extra if first_contact else {k: v for k, v in down_extra.items() if k not in static}
+            msg, sizes_d = alg.encode_broadcast(b, mine)
             if acfg.communicate or first_contact:  # without communication only the first download happens
                 _count(bytes_down, sizes_d)
             # ---- client side
-            b_c, extra_c = alg.decode_broadcast(msg, ref, {k: v for k, v in down_extra.items()}, device=_dev(ref))
+            b_c, extra_c = alg.decode_broadcast(msg, ref, dict(down_extra), device=_dev(ref))
             if not begun:
                 task.begin_round(t, extra_c)
                 begun = True
