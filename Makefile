@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench cpu-protocols clean
 
 # torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt pyproject.toml
@@ -32,6 +32,15 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/client_step.py
 	$(BIN)/python benchmarks/takd_round.py
+
+# The CPU-scale Protocol A and B comparisons of docs/results-cpu.md (about 2 hours on 2 cores), with reports.
+cpu-protocols: $(STAMP)
+	$(BIN)/ciders compare configs/cpu/protocol_a.yaml --algorithms ciders-fo,ciders-fd,fedbiot,fedot,localot \
+		--seeds 0,1,2 --out runs/cpu-protocol-a
+	$(BIN)/ciders compare configs/cpu/protocol_b.yaml --algorithms ciders-fo,ciders-fd,fedbiot,fedot \
+		--seeds 0,1,2 --out runs/cpu-protocol-b
+	$(BIN)/ciders report runs/cpu-protocol-a
+	$(BIN)/ciders report runs/cpu-protocol-b
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
