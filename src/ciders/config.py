@@ -252,7 +252,7 @@ class DataConfig:
     )
     max_length: int = opt(256, "tokens per example (longer examples are truncated and counted)")
     public_limit: int | None = opt(None, "use only the first N public examples")
-    eval_limit: int | None = opt(None, "evaluate on only the first N examples")
+    eval_limit: int | None = opt(None, "evaluate on only the first N examples [per label with per_label]")
     eval_batch_size: int = opt(8, "batch size for perplexity evaluation")
 
     def validate(self) -> None:

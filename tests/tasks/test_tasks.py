@@ -69,3 +69,19 @@ def test_partitions_deterministic_disjoint_covering_and_skewed():
     assert histograms(nat, labels)[0] == {"size": 200, "labels": {"c0": 200}}
     with pytest.raises(CidersError, match="5 distinct labels"):
         partition(labels, 3, "natural")
+
+
+def test_eval_limit_with_per_label_keeps_every_domain():
+    """A plain prefix of the label-grouped evaluation split would drop whole domains (and with them
+    NLL-matrix columns); with per_label the limit applies per label."""
+    shared("personalization")
+    from ciders.config import load_config
+    from ciders.models.load import load_tokenizer
+    from ciders.tasks import federated
+
+    cfg = load_config(None, ["data.task=domains", "data.per_label=true", "data.public_size=2", "data.eval_size=4",
+                             "data.eval_limit=3", "data.client_size=4", "federation.clients=5",
+                             "federation.partition=natural", "data.max_length=512"])
+    data = federated.build(cfg, load_tokenizer("tiny-qwen2"))
+    assert sorted(data.eval_by_label) == sorted(DOMAINS)
+    assert all(len(v) == 3 for v in data.eval_by_label.values()) and len(data.global_eval) == 15

@@ -84,9 +84,23 @@ def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
             reports["eval"] = ev_recs.report
             ev, ev_raw, eval_labels = ev_recs.examples, ev_recs.raw, ev_recs.labels
         else:
-            ev = [recs.examples[i] for i in split.eval][: dc.eval_limit]
-            ev_raw = [recs.raw[i] for i in split.eval][: dc.eval_limit]
-            eval_labels = [labels[i] for i in split.eval][: dc.eval_limit]
+            ev_idx = list(split.eval)
+            if dc.eval_limit is not None:
+                # with per_label the limit applies to each label: a plain prefix of the label-grouped split
+                # would drop whole domains from the NLL matrix
+                if dc.per_label and spec.label:
+                    count: dict = {}
+                    kept_ev = []
+                    for i in ev_idx:
+                        count[labels[i]] = count.get(labels[i], 0) + 1
+                        if count[labels[i]] <= dc.eval_limit:
+                            kept_ev.append(i)
+                    ev_idx = kept_ev
+                else:
+                    ev_idx = ev_idx[: dc.eval_limit]
+            ev = [recs.examples[i] for i in ev_idx]
+            ev_raw = [recs.raw[i] for i in ev_idx]
+            eval_labels = [labels[i] for i in ev_idx]
         pool_idx = split.clients
         if dc.client_size is not None:
             cap = dc.client_size * n_lab
