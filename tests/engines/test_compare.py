@@ -51,6 +51,9 @@ def test_compare_reuses_finished_runs(cmp_dir, capsys):
                  "--set", "federation.rounds=2"]) == 0
     assert "finished earlier, reusing" in capsys.readouterr().out
     assert (cmp_dir / "fedavg" / "seed1" / "metrics.jsonl").read_bytes() == before
+    assert main(["compare", TINY, "--algorithms", "fedavg", "--seeds", "1", "--out", str(cmp_dir),
+                 "--set", "federation.rounds=2", "--set", "algorithm.lr=0.5"]) == 2  # not silently reused
+    assert "config differs" in capsys.readouterr().err
 
 
 def test_payloads_measured_match_the_plan(cmp_dir):
