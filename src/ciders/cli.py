@@ -208,6 +208,13 @@ def _cmd_cache(a: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment_args(p: argparse.ArgumentParser, config_help: str, out_help: str) -> None:
+    """The arguments every experiment command shares: CONFIG, --set overrides, --out."""
+    p.add_argument("config", help=config_help)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", help=out_help)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ciders", description="Cloud-edge collaborative LLM fine-tuning (CIDERS)")
     ap.add_argument("--version", action="version", version=f"ciders {__version__}")
@@ -232,35 +239,28 @@ def parser() -> argparse.ArgumentParser:
 
     for name, fn, help_ in (("distill", _cmd_distill, "TAKD pre-alignment of B_L on public data (the demo job)"),):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("config", help="experiment YAML")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-        p.add_argument("--out", help="run directory (default runs/<name>)")
+        _experiment_args(p, "experiment YAML", "run directory (default runs/<name>)")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("run", help="a federation (CIDERS or the baseline in algorithm.name) on the in-process engine")
-    p.add_argument("config", help="experiment YAML")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--out", help="run directory (default runs/<name>)")
+    _experiment_args(p, "experiment YAML", "run directory (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")
-    p.add_argument("config", help="experiment YAML (the shared settings; each method fixes its own knobs)")
+    _experiment_args(p, "experiment YAML (the shared settings; each method fixes its own knobs)",
+                     "comparison directory (default runs/compare-<name>); finished runs are reused")
     p.add_argument("--algorithms", default="ciders-fo,ciders-fd,fedbiot,fedot,localot",
                    help="comma-separated: ciders-fo, ciders-fd, fedavg, fedprox, scaffold, fedot, fedbiot, localot")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (mean +- std over them)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--out", help="comparison directory (default runs/compare-<name>); finished runs are reused")
     p.set_defaults(fn=_cmd_compare)
 
     p = sub.add_parser("sweep", help="a comparison at every point of a config grid (compression sweep, ablations)")
-    p.add_argument("config", help="experiment YAML")
+    _experiment_args(p, "experiment YAML", "sweep directory (default runs/sweep-<name>)")
     p.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="a config key and its values (repeatable)")
     p.add_argument("--algorithms", default="ciders-fo,fedbiot,fedot", help="comma-separated methods")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--metrics", default="nll,stored_mib", help="columns per method (keys of ciders.report.tables.METRICS)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--out", help="sweep directory (default runs/sweep-<name>)")
     p.set_defaults(fn=_cmd_sweep)
 
     p = sub.add_parser("report", help="self-contained HTML page + PNG figures for a run, compare or sweep directory")

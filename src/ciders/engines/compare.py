@@ -47,7 +47,7 @@ def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out
                 make_task: Callable[[ExperimentConfig, Path], object] | None = None,
                 log: Callable[[str], None] = print, progress: bool = True) -> dict:
     """Run (or reuse) every (method, seed) and write compare.json and compare.md in `out`."""
-    from ciders.engines.local import RunDir, _check_same_config, run_federation
+    from ciders.engines.local import RunDir, check_same_config, run_federation
 
     if make_task is None:
         from ciders.engines.llm_task import LLMTask
@@ -69,7 +69,7 @@ def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out
             rd = out / m / f"seed{s}"
             runs[m][s] = str(rd)
             if (rd / "summary.json").is_file() and RunDir(rd).committed() == c.federation.rounds - 1:
-                _check_same_config(RunDir(rd), c)  # a finished run is reused only for the same config
+                check_same_config(RunDir(rd), c)  # a finished run is reused only for the same config
                 log(f"[{j}/{total}] {m} seed {s}: finished earlier, reusing {rd}")
             else:
                 resume = RunDir(rd).committed() is not None

@@ -133,7 +133,7 @@ class RunDir:
                 write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
-def _check_same_config(run: RunDir, cfg: ExperimentConfig) -> None:
+def check_same_config(run: RunDir, cfg: ExperimentConfig) -> None:
     saved = load_config(run.root / "config.yaml")
     a, b = to_dict(saved), to_dict(cfg)
 
@@ -164,7 +164,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         raise CidersError(f"{run.root} already holds a run (round {committed} committed); pass --resume to continue "
                           "it or choose another --out")
     if resume and committed is not None:
-        _check_same_config(run, cfg)
+        check_same_config(run, cfg)
     else:
         committed = None
         for p in (run.metrics, run.timing):
@@ -236,7 +236,8 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             bar.set_description(f"round {t + 1}/{fed.rounds} client {cid}")
             copy = _load_copy(server_store, cid, messenger0)
             b = alg.make_broadcast(acfg, server, copy)
-            first_contact = clients_store.get(cid) is None
+            saved = _maybe_client(clients_store, cid)
+            first_contact = saved is None
             mine = down_extra if first_contact else {k: v for k, v in down_extra.items() if k not in static}
             msg, sizes_d = alg.encode_broadcast(b, mine)
             if acfg.communicate or first_contact:  # without communication only the first download happens
@@ -246,7 +247,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             if not begun:
                 task.begin_round(t, extra_c)
                 begun = True
-            cstate = _load_client(clients_store, cid, sizes[cid], messenger0)
+            cstate = _on_device(saved, cid, sizes[cid], messenger0)
             batches = task.batches(cid, t, acfg.local_steps * acfg.grad_accum, cfg.seed)
             up, cstate, cm = alg.client_update(acfg, b_c, cstate, task.loss_fn(cid), batches)
             clients_store.put(cid, t, *alg.client_record(cstate))
@@ -356,8 +357,8 @@ def _maybe_client(store: RoundStore, cid: str) -> alg.ClientState | None:
     return None if rec is None else alg.client_from_record(*rec)
 
 
-def _load_client(store: RoundStore, cid: str, n: int, ref: dict) -> alg.ClientState:
-    s = _maybe_client(store, cid)
+def _on_device(s: alg.ClientState | None, cid: str, n: int, ref: dict) -> alg.ClientState:
+    """A client's saved state on the messenger's device (a fresh one if it never trained)."""
     if s is None:
         return alg.init_client(cid, n, ref)
     dev = _dev(ref)
