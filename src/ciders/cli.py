@@ -53,7 +53,12 @@ def _cmd_run(a: argparse.Namespace) -> int:
         raise CidersError(f"{out} already holds a run (round {done} committed); pass --resume to continue it "
                           "or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    summary = run_federation(cfg, LLMTask(cfg, out), out, resume=a.resume)
+    if a.engine == "flower-sim":
+        from ciders.engines.flower.server_app import run_simulation
+
+        summary = run_simulation(cfg, out, resume=a.resume)
+    else:
+        summary = run_federation(cfg, LLMTask(cfg, out), out, resume=a.resume)
     print(render(summary))
     print(f"run directory: {out}")
     return 0
@@ -242,9 +247,12 @@ def parser() -> argparse.ArgumentParser:
         _experiment_args(p, "experiment YAML", "run directory (default runs/<name>)")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("run", help="a federation (CIDERS or the baseline in algorithm.name) on the in-process engine")
+    p = sub.add_parser("run", help="a federation (CIDERS or the baseline in algorithm.name)")
     _experiment_args(p, "experiment YAML", "run directory (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
+                   help="local: in this process (default); flower-sim: Flower's simulation runtime (Ray), one "
+                        "virtual SuperNode per client; same config and seed give the same numbers")
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")

@@ -335,6 +335,24 @@ class FederationConfig:
 
 
 @dataclass(frozen=True)
+class FlowerConfig:
+    """Only read by the Flower engines (`ciders run --engine flower-sim`, `ciders flower ...`)."""
+
+    round_timeout_s: float = opt(600.0, "how long the ServerApp waits for a round's replies; later ones are dropped")
+    node_wait_s: float = opt(120.0, "at the first round, wait up to this long for all federation.clients "
+                                    "SuperNodes to connect (then go on with those that did)")
+    client_cpus: float = opt(1.0, "simulation: CPUs Ray reserves per ClientApp (fewer = more clients at once)")
+    client_gpus: float = opt(0.0, "simulation: GPUs (fractions allowed) Ray reserves per ClientApp")
+
+    def validate(self) -> None:
+        for k in ("round_timeout_s", "node_wait_s", "client_cpus"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"flower.{k}: must be > 0, got {getattr(self, k)}")
+        if self.client_gpus < 0:
+            raise ConfigError(f"flower.client_gpus: must be >= 0, got {self.client_gpus}")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """A whole experiment. Later sections (algorithm, rounds, clients, eval) join this one class."""
 
@@ -348,6 +366,7 @@ class ExperimentConfig:
     algorithm: CidersConfig = section(CidersConfig, "CIDERS client/server update rules (SPEC 1.3-1.4)")
     federation: FederationConfig = section(FederationConfig, "clients, partition, rounds, sampling, evaluation")
     eval: EvalConfig = section(EvalConfig, "evaluation tasks (GSM8K, ROUGE-L, HumanEval-X, NLL matrix)")
+    flower: FlowerConfig = section(FlowerConfig, "the Flower engines: timeouts and simulation resources")
 
     def validate(self) -> "ExperimentConfig":
         for f in dataclasses.fields(self):
@@ -528,6 +547,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     data = apply_overrides(data, overrides or [], cls)
+    return from_dict(cls, data).validate()
+
+
+def loads_config(text: str, what: str = "config", cls: type = ExperimentConfig) -> Any:
+    """A config from YAML text (e.g. one carried in a Flower message)."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: the top level must be a mapping of sections")
     return from_dict(cls, data).validate()
 
 

@@ -93,3 +93,17 @@ def check(st: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], name:
                                f"expected {tuple(r.shape)} {r.dtype}")
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise PayloadError(f"component {name!r}: {k!r} has NaN or Inf")
+
+
+def sizes(msg: bytes) -> dict[str, int]:
+    """Bytes per component of an encoded message, read from its header (what `encode` returned)."""
+    if len(msg) < 8 or msg[:4] != MAGIC:
+        raise PayloadError("not a ciders message (bad magic)")
+    (hlen,) = struct.unpack("<I", msg[4:8])
+    try:
+        comps = json.loads(msg[8 : 8 + hlen])["components"]
+        out = {str(n): int(b) for n, b in comps}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PayloadError(f"unreadable message header: {exc}") from exc
+    out["header"] = 8 + hlen
+    return out

@@ -11,7 +11,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ciders.config import ExperimentConfig
-from ciders.errors import CidersError
 from ciders.eval.metrics import perplexity
 from ciders.fileio import write_json
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
@@ -25,7 +24,10 @@ from ciders.tasks.text import collate
 
 
 class LLMTask:
-    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print):
+    """`role="client"` builds only what a client needs (model, its data, the messenger loss): no teacher
+    cache, no TAKD (a Flower ClientApp)."""
+
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print, role: str = "server"):
         from ciders.algorithms import configure
 
         cfg = configure(cfg)  # a baseline's TAKD settings (FedBiOT, FedOT) live in its config
@@ -40,7 +42,7 @@ class LLMTask:
             + ", ".join(f"{c} {len(self.train[c])}+{len(self.heldout[c])}" for c in sorted(self.train)) + " (train+heldout)")
         tc = cfg.takd
         self.cache = None
-        if tc.teacher_cache != "off":
+        if tc.teacher_cache != "off" and role == "server":
             bar = tqdm(total=len(self.public), desc="teacher cache B_F(x)", unit="ex", leave=False)
             self.cache = TeacherCache.build(self.d, self.public, self.pad, batch_size=cfg.data.eval_batch_size,
                                             mode=tc.teacher_cache, directory=Path(out) / "teacher_cache",
@@ -89,6 +91,10 @@ class LLMTask:
 
     def downlink_extra(self, extra: TAKDState) -> dict:
         return {"student": extra.student}
+
+    def downlink_reference(self) -> dict:
+        """What a client checks the downlink extras against (keys, shapes, dtypes)."""
+        return {"student": self.d.student_state()}
 
     def static_extra(self) -> set[str]:
         """Without per-round TAKD (FedOT, LocalOT) B_L never changes after pre-alignment: a client

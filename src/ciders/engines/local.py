@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -40,11 +39,10 @@ from tqdm.auto import tqdm
 
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
-from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
+from ciders.config import ExperimentConfig, load_config, to_dict
 from ciders.core.store import RoundStore
-from ciders.core.wire import PayloadError
 from ciders.errors import CidersError
-from ciders.fileio import append_jsonl, atomic_dir, read_jsonl, write_json, write_text
+from ciders.fileio import atomic_dir, read_jsonl, write_json, write_text
 from ciders.runtime import derived_seed
 
 MIB = 2**20
@@ -153,221 +151,52 @@ def check_same_config(run: RunDir, cfg: ExperimentConfig) -> None:
 
 def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: bool = False,
                    faults: Faults | None = None, log: Callable[[str], None] = print, progress: bool = True) -> dict:
-    """Run (or resume) the federation of `cfg.algorithm.name` (CIDERS or a baseline; `ciders.algorithms`)."""
-    given, cfg = cfg, algorithms.configure(cfg)
-    run = RunDir(out)
-    run.root.mkdir(parents=True, exist_ok=True)
+    """Run (or resume) the federation of `cfg.algorithm.name` (CIDERS or a baseline; `ciders.algorithms`)
+    in this process: the Coordinator's rounds with every client called directly (`engines.rounds`)."""
+    from ciders.engines.rounds import Coordinator, Reply, client_round, load_personalized_from
+
+    co = Coordinator(cfg, task, out, resume=resume, log=log)
+    cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()
-    fed, acfg = cfg.federation, cfg.algorithm
-    committed = run.committed()
-    if committed is not None and not resume:
-        raise CidersError(f"{run.root} already holds a run (round {committed} committed); pass --resume to continue "
-                          "it or choose another --out")
-    if resume and committed is not None:
-        check_same_config(run, cfg)
-    else:
-        committed = None
-        for p in (run.metrics, run.timing):
-            p.unlink(missing_ok=True)
-        write_text(run.root / "config.yaml", dump_yaml(cfg))
-        for line in algorithms.changes(given, cfg):
-            log(f"{algorithms.method_name(cfg)} sets {line}")
-    tb = None
-    if fed.tensorboard:
-        from ciders.engines.tensorboard import Mirror
-
-        tb = Mirror(run.root / "tensorboard")
-
-    def record(rec: dict) -> None:
-        append_jsonl(run.metrics, rec)
-        if tb is not None:
-            tb.write(rec)
-
-    clients_store = RoundStore(run.root / "clients", committed if committed is not None else -1, fed.store_cache)
-    server_store = RoundStore(run.root / "server", committed if committed is not None else -1, fed.store_cache)
-
-    sizes = task.clients()
-    ids = sorted(sizes)
-    messenger0 = task.initial_messenger()
-    ref = {k: v for k, v in messenger0.items()}
-
-    if committed is None:
-        t0 = time.perf_counter()
-        extra_t, extra_m, pre_metrics = task.initial_extra()
-        extra = task.extra_from_record(extra_t, extra_m)
-        server = alg.init_server(messenger0, fed.rounds)
-        log("evaluating before the first round")
-        ev = task.evaluate(-1, server, {})
-        write_json(run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
-        for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
-            record(rec)
-        append_jsonl(run.timing, {"round": -1, "prealign_and_eval_s": time.perf_counter() - t0})
-        st, sm = alg.server_record(server)
-        run.save_checkpoint(-1, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
-                            {"server": sm, "extra": extra_m}, fed.checkpoint_keep)
-        committed = -1
-    else:
-        log(f"resuming {run.root} after round {committed}")
-        n = clients_store.recover(committed) + server_store.recover(committed)
-        if n:
-            log(f"  removed {n} records of the interrupted round {committed + 1}")
-        run.truncate_metrics(committed)
-        tensors, meta = run.load_checkpoint(committed)
-        server = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"])
-        extra = task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")}, meta["extra"])
-        server = _to_device(server, messenger0)
-
-    per_round = fed.per_round or len(ids)
-    static = set(getattr(task, "static_extra", lambda: ())())
-    bar = tqdm(total=(fed.rounds - committed - 1) * per_round, desc=algorithms.method_name(cfg), unit="client",
+    per_round = fed.per_round or len(co.ids)
+    bar = tqdm(total=(fed.rounds - co.first_round) * per_round, desc=algorithms.method_name(cfg), unit="client",
                disable=not progress)
     late: list[bytes] = []
-    for t in range(committed + 1, fed.rounds):
-        t_round = time.perf_counter()
-        sampled = sample_clients(ids, fed.per_round, cfg.seed, t)
-        down_extra = task.downlink_extra(extra)
-        bytes_down: dict[str, int] = {}
-        bytes_up: dict[str, int] = {}
-        delivered: list[bytes] = list(late)
-        late = []
-        begun = False
-        losses = []
+    for t in range(co.first_round, fed.rounds):
+        sampled = co.begin(t)
+        down_extra = dict(co.down_extra)  # the in-process client's references: the server's own tensors
+        replies, stray, carried, late = [], [], late, []
         for j, cid in enumerate(sampled):
             bar.set_description(f"round {t + 1}/{fed.rounds} client {cid}")
-            copy = _load_copy(server_store, cid, messenger0)
-            b = alg.make_broadcast(acfg, server, copy)
-            saved = _maybe_client(clients_store, cid)
-            first_contact = saved is None
-            mine = down_extra if first_contact else {k: v for k, v in down_extra.items() if k not in static}
-            msg, sizes_d = alg.encode_broadcast(b, mine)
-            if acfg.communicate or first_contact:  # without communication only the first download happens
-                _count(bytes_down, sizes_d)
-            # ---- client side
-            b_c, extra_c = alg.decode_broadcast(msg, ref, dict(down_extra), device=_dev(ref))
-            if not begun:
-                task.begin_round(t, extra_c)
-                begun = True
-            cstate = _on_device(saved, cid, sizes[cid], messenger0)
-            batches = task.batches(cid, t, acfg.local_steps * acfg.grad_accum, cfg.seed)
-            up, cstate, cm = alg.client_update(acfg, b_c, cstate, task.loss_fn(cid), batches)
-            clients_store.put(cid, t, *alg.client_record(cstate))
-            upmsg, sizes_u = alg.encode_upload(up)
-            if not acfg.communicate:
-                upmsg, sizes_u = b"", {}
-            _count(bytes_up, sizes_u)
-            losses.append(cm.get("loss"))
-            record({"event": "client", **cm, "round": t, "bytes_up": len(upmsg),
-                                       "bytes_down": len(msg) if acfg.communicate or first_contact else 0})
-            # ---- channel
+            msg = co.broadcast(t, cid)
+            upmsg, cm = client_round(cfg, task, co.clients_store, cid, co.sizes[cid], msg, down_extra)
+            # ---- channel: a dropped reply never arrives; a delayed one arrives next round
             key = (t, cid)
-            if key in faults.corrupt and up.dc is not None:
+            if key in faults.corrupt and upmsg:
+                up = alg.decode_upload(upmsg, co.ref)
                 upmsg, _ = alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version, up.n_examples,
                                                         {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))
-            if not acfg.communicate:
-                pass
-            elif key in faults.delay:
+            if key in faults.delay:
                 late.append(upmsg)
             elif key not in faults.drop:
-                delivered.append(upmsg)
+                replies.append(Reply(cid, upmsg, cm))
                 if key in faults.duplicate:
-                    delivered.append(upmsg)
+                    stray.append(upmsg)
             bar.update(1)
             bar.set_postfix(loss=f"{cm['loss']:.3f}" if "loss" in cm else "resync")
             faults.maybe_crash(t, f"client:{j}")
-        # ---- server side
-        uploads, malformed = [], {}
-        for m in delivered:
-            try:
-                uploads.append(alg.decode_upload(m, ref, device=_dev(ref)))
-            except PayloadError as exc:
-                malformed[f"#{len(malformed)}"] = str(exc)
-        known = [u for u in uploads if u.client_id in sizes]
-        for u in uploads:
-            if u.client_id not in sizes:
-                malformed[u.client_id] = "unknown client id"
-        copies = {u.client_id: _load_copy(server_store, u.client_id, messenger0) for u in known}
-        server, new_copies, sm = alg.server_update(acfg, server, known, copies, n_clients=len(ids))
-        for cid, cp in new_copies.items():
-            if cp is not copies[cid]:
-                server_store.put(cid, t, *alg.copy_record(cp))
-        if malformed:
-            sm["rejected"] = {**sm["rejected"], **malformed}
-            for who, why in malformed.items():
-                log(f"round {t}: rejected upload from {who}: {why}")
+        co.aggregate(t, replies, [m for m in carried if m], [m for m in stray if m])
         faults.maybe_crash(t, "server")
-        extra, tm = task.after_server(t, server, extra)
+        co.takd(t)
         faults.maybe_crash(t, "takd")
-        recs = [{"event": "server", **sm, "round": t},
-                {"event": "takd", "round": t, **tm},
-                {"event": "round", "round": t, "clients": sampled,
-                 "loss": sum(x for x in losses if x is not None) / max(sum(x is not None for x in losses), 1),
-                 "bytes_down": bytes_down, "bytes_up": bytes_up}]
-        last = t == fed.rounds - 1
-        if last or (fed.eval_every and (t + 1) % fed.eval_every == 0):
+        pers = {}
+        if co.eval_due(t):
             bar.set_description(f"round {t + 1}/{fed.rounds} evaluating")
-            who = ids if fed.eval_clients == "all" else sampled
-            pers = {cid: s.personalized for cid in who if (s := _maybe_client(clients_store, cid)) and s.personalized}
-            recs.append({"event": "eval", "round": t, **task.evaluate(t, server, pers)})
-            write_json(run.root / "eval" / f"round_{t:04d}.json", recs[-1])
-        for r in recs:
-            record(r)
-        append_jsonl(run.timing, {"round": t, "seconds": time.perf_counter() - t_round})
-        faults.maybe_crash(t, "checkpoint")
-        st, smeta = alg.server_record(server)
-        et, em = task.extra_record(extra)
-        run.save_checkpoint(t, {**st, **{f"extra/{k}": v for k, v in et.items()}}, {"server": smeta, "extra": em},
-                            fed.checkpoint_keep)
-        clients_store.commit(t, sampled)
-        server_store.commit(t, [u.client_id for u in known])
+            pers = load_personalized_from(co.clients_store, co.eval_clients(t))
+        co.finish(t, pers, before_checkpoint=lambda: faults.maybe_crash(t, "checkpoint"))
         faults.maybe_crash(t, "commit")
     bar.close()
-    if tb is not None:
-        tb.close()
-    task.finalize(run.root, server, extra)
-    summary = summarize(run, cfg)
-    write_json(run.root / "summary.json", summary)
-    return summary
-
-
-def _dev(ref: dict) -> torch.device:
-    return next(iter(ref.values())).device
-
-
-def _to_device(s: alg.ServerState, ref: dict) -> alg.ServerState:
-    dev = _dev(ref)
-    return alg.ServerState(s.round, s.total_rounds, {k: v.to(dev) for k, v in s.messenger.items()},
-                           {k: v.to(dev) for k, v in s.c.items()})
-
-
-def _count(acc: dict, sizes: dict) -> None:
-    for k, v in sizes.items():
-        acc[k] = acc.get(k, 0) + v
-
-
-def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:
-    rec = store.get(cid)
-    if rec is None:
-        return alg.init_copy(ref)
-    cp = alg.copy_from_record(*rec)
-    return alg.ServerCopy({k: v.to(_dev(ref)) for k, v in cp.c_i.items()}, cp.version, cp.needs_resync)
-
-
-def _maybe_client(store: RoundStore, cid: str) -> alg.ClientState | None:
-    rec = store.get(cid)
-    return None if rec is None else alg.client_from_record(*rec)
-
-
-def _on_device(s: alg.ClientState | None, cid: str, n: int, ref: dict) -> alg.ClientState:
-    """A client's saved state on the messenger's device (a fresh one if it never trained)."""
-    if s is None:
-        return alg.init_client(cid, n, ref)
-    dev = _dev(ref)
-
-    def mv(st):
-        return None if st is None else {k: v.to(dev) for k, v in st.items()}
-
-    pending = None if s.pending is None else alg.Pending(mv(s.pending.dc), s.pending.base_version, s.pending.round)
-    return alg.ClientState(s.client_id, s.n_examples, mv(s.c_i), s.version, pending, mv(s.personalized))
+    return co.close()
 
 
 def summarize(run: RunDir, cfg: ExperimentConfig) -> dict:

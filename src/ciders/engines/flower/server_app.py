@@ -1,0 +1,88 @@
+"""The ServerApp, and `run_simulation` behind `ciders run CONFIG --engine flower-sim`.
+
+The ServerApp builds the server-side task (model, public data, TAKD, evaluation) and the Coordinator on
+the run directory, then runs CidersStrategy through Flower's own round loop (`Strategy.start`). The
+run directory is the same as the in-process engine's (metrics.jsonl, checkpoints, eval/, adapters/),
+minus `clients/`: on Flower, client state lives on the clients.
+
+Under `flwr run` the run config (`--run-config`) names the experiment:
+  config = "/abs/path/experiment.yaml"   set = "federation.rounds=2;seed=1"   out = "/abs/run/dir"
+  resume = false   (true: continue from the run directory's last committed checkpoint)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+
+def _spec_from_run_config(rc: dict) -> dict:
+    from ciders.config import dump_yaml, load_config
+    from ciders.errors import ConfigError
+
+    if not rc.get("config") or not rc.get("out"):
+        raise ConfigError("the ServerApp needs run config keys config=<experiment.yaml> and out=<run dir> "
+                          "(flwr run ... --run-config 'config=\"...\" out=\"...\"')")
+    overrides = [s for s in str(rc.get("set", "")).split(";") if s.strip()]
+    cfg = load_config(str(rc["config"]), overrides)
+    return {"config_text": dump_yaml(cfg), "out": str(rc["out"]), "resume": bool(rc.get("resume", False))}
+
+
+def serve(grid: Grid, spec: dict, log=print) -> dict:
+    """One whole run on `grid` (simulation or deployment). Returns the run summary."""
+    from ciders.config import loads_config
+    from ciders.engines.flower.strategy import CidersStrategy
+    from ciders.engines.llm_task import LLMTask
+    from ciders.engines.rounds import Coordinator
+
+    cfg = loads_config(spec["config_text"])
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    co = Coordinator(cfg, LLMTask(cfg, out, log=log), out, resume=spec.get("resume", False), log=log,
+                     engine="flower")
+    strategy = CidersStrategy(co, spec["config_text"], log=log)
+    remaining = cfg.federation.rounds - co.first_round
+    if remaining > 0:
+        strategy.start(grid, ArrayRecord(), num_rounds=remaining, timeout=cfg.flower.round_timeout_s,
+                       evaluate_fn=strategy.evaluate_fn)
+    return co.close()
+
+
+def make_server_app(spec: dict | None = None) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        serve(grid, spec if spec is not None else _spec_from_run_config(dict(context.run_config)))
+
+    return app
+
+
+app = make_server_app()  # for `flwr run` (pyproject: ciders.engines.flower.server_app:app)
+
+
+def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dict:
+    """The run on Flower's simulation runtime (Ray), one virtual SuperNode per client."""
+    import json
+
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    from ciders.config import dump_yaml
+    from ciders.engines.flower.client_app import make_client_app
+    from ciders.errors import CidersError
+
+    out = Path(out)
+    summary_path = out / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    spec = {"config_text": dump_yaml(cfg), "out": str(out.resolve()), "resume": resume,
+            "clients_root": str((out / "flower-clients").resolve())}
+    fc = cfg.flower
+    backend = {"client_resources": {"num_cpus": fc.client_cpus, "num_gpus": fc.client_gpus}}
+    flwr_run_simulation(make_server_app(spec), make_client_app(spec), num_supernodes=cfg.federation.clients,
+                        backend_config=backend)
+    if not summary_path.is_file():
+        raise CidersError(f"the Flower simulation ended without finishing the run (no {summary_path}); "
+                          "see the log above, then `ciders run ... --engine flower-sim --resume` continues it")
+    return json.loads(summary_path.read_text())

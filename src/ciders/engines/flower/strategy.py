@@ -1,0 +1,174 @@
+"""CidersStrategy: a `flwr.serverapp.strategy.Strategy` whose every step is the in-process engine's.
+
+Flower round r (1-based) is ciders round t = first + r - 1 (a resumed run starts after its checkpoint).
+  configure_train    find which SuperNode hosts which client (a `query` to nodes not seen yet), sample
+                     clients exactly as the in-process engine, one message per client with its own
+                     broadcast (Coordinator.broadcast). A sampled client without a connected node misses
+                     the round, like a lost reply.
+  aggregate_train    replies -> checked payloads -> Coordinator.aggregate (Eq. 11-12) and .takd (Eq. 13).
+                     Error replies, replies from nodes that claim another client's id, and bad payloads
+                     are rejected and logged with the client id; they never touch global state.
+                     Replies that come after `flower.round_timeout_s` are not part of the round (Flower
+                     drops them), so p_i is renormalised over the uploads that arrived.
+  configure_evaluate when the round evaluates and personalized messengers are needed: a `report`
+                     request to the nodes of those clients (evaluation traffic, not counted in the
+                     training bytes, as in-process where the engine reads them from the client store).
+  evaluate_fn        (called by Strategy.start after each round) Coordinator.finish: evaluate, log,
+                     checkpoint and commit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from ciders.core.wire import PayloadError
+from ciders.engines.flower import messages as fm
+from ciders.engines.rounds import Coordinator, Reply
+
+
+class CidersStrategy(Strategy):
+    def __init__(self, co: Coordinator, config_text: str, log: Callable[[str], None] = print):
+        self.co, self.config_text, self.log = co, config_text, log
+        self.first = co.first_round
+        self.fcfg = co.cfg.flower
+        self.node_of: dict[str, int] = {}  # client id -> node id hosting it now
+        self.asked: dict[int, str | None] = {}  # node id -> client id it reported (None: no answer yet)
+        self.pending_eval: dict[str, dict] = {}
+        self.sent: dict[int, str] = {}  # node id -> client id of this round's train messages
+
+    def summary(self) -> None:
+        from ciders import algorithms
+
+        self.log(f"CidersStrategy: {algorithms.method_name(self.co.cfg)}, rounds {self.first}..{self.co.cfg.federation.rounds - 1}")
+
+    # ------------------------------------------------------------------ nodes -> clients
+    def _discover(self, grid: Grid, server_round: int) -> None:
+        want = len(self.co.ids)
+        deadline = time.monotonic() + (self.fcfg.node_wait_s if server_round == 1 else 0)
+        while True:
+            nodes = set(grid.get_node_ids())
+            if len(nodes) >= want or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        for cid in [c for c, n in self.node_of.items() if n not in nodes]:
+            del self.node_of[cid]
+        new = [n for n in nodes if n not in self.asked or self.asked[n] is None]
+        if not new:
+            return
+        msgs = [Message(fm.pack({"kind": "hello"}), dst_node_id=n, message_type="query") for n in new]
+        for n in new:
+            self.asked[n] = None
+        for rep in grid.send_and_receive(msgs, timeout=self.fcfg.round_timeout_s):
+            node = rep.metadata.src_node_id
+            if rep.has_error():
+                self.log(f"node {node}: no client id ({rep.error.reason})")
+                continue
+            try:
+                cid = str(fm.fields_of(rep.content)["client_id"])
+            except (PayloadError, KeyError) as exc:
+                self.log(f"node {node}: unreadable hello reply ({exc})")
+                continue
+            if cid not in self.co.sizes:
+                self.log(f"node {node} hosts {cid!r}, which is not a client of this run: ignored")
+                continue
+            self.asked[node] = cid
+            self.node_of[cid] = node  # a restarted node replaces the old one
+        missing = [c for c in self.co.ids if c not in self.node_of]
+        if missing:
+            self.log(f"round {server_round}: no SuperNode for {', '.join(missing)}")
+
+    def _round(self, server_round: int) -> int:
+        return self.first + server_round - 1
+
+    # ------------------------------------------------------------------ train
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        t = self._round(server_round)
+        self._discover(grid, server_round)
+        sampled = self.co.begin(t)
+        self.sent = {}
+        out = []
+        for cid in sampled:
+            node = self.node_of.get(cid)
+            if node is None:
+                continue
+            fields = {"kind": "train", "round": t, "committed": self.co.committed, "config": self.config_text}
+            out.append(Message(fm.pack(fields, self.co.broadcast(t, cid)), dst_node_id=node, message_type="train"))
+            self.sent[node] = cid
+        return out
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        t = self._round(server_round)
+        got, bad = [], {}
+        for rep in replies:
+            cid = self.sent.get(rep.metadata.src_node_id)
+            if cid is None:
+                self.log(f"round {t}: reply from node {rep.metadata.src_node_id}, which was sent nothing: ignored")
+                continue
+            if rep.has_error():
+                bad[cid] = f"client error: {rep.error.reason}"
+                self.asked.pop(rep.metadata.src_node_id, None)
+                self.co.contacted.discard(cid)  # e.g. lost its static components: send them again
+                continue
+            try:
+                f = fm.fields_of(rep.content)
+                if f.get("client_id") != cid:
+                    raise PayloadError(f"reply claims to be from {f.get('client_id')!r}")
+                got.append(Reply(cid, fm.payload_of(rep.content), fm.record_of(f)))
+            except PayloadError as exc:
+                bad[cid] = str(exc)
+        missing = sorted(set(self.co.sampled) - {r.client_id for r in got} - set(bad))
+        if missing:
+            self.log(f"round {t}: no reply from {', '.join(missing)} within the round")
+        self.co.aggregate(t, got, rejected=bad)  # logs every rejection with the client id
+        self.co.takd(t)
+        return None, MetricRecord({"replies": len(got)})
+
+    # ------------------------------------------------------------------ evaluate
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        t = self._round(server_round)
+        self.pending_eval = {}
+        if not self.co.eval_due(t):
+            return []
+        out = []
+        for cid in self.co.eval_clients(t):
+            node = self.node_of.get(cid)
+            if node is not None:
+                fields = {"kind": "report", "round": t, "committed": self.co.committed, "config": self.config_text}
+                out.append(Message(fm.pack(fields), dst_node_id=node, message_type="evaluate"))
+        return out
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        from ciders.core.wire import decode
+
+        t = self._round(server_round)
+        for rep in replies:
+            node = rep.metadata.src_node_id
+            cid = self.asked.get(node)
+            if rep.has_error() or cid is None:
+                self.log(f"round {t}: no personalized messenger from node {node}")
+                continue
+            try:
+                comps, meta = decode(fm.payload_of(rep.content), {"personalized": self.co.ref})
+                if meta.get("client_id") != cid:
+                    raise PayloadError(f"report claims to be from {meta.get('client_id')!r}")
+            except PayloadError as exc:
+                self.log(f"round {t}: rejected report from {cid}: {exc}")
+                continue
+            if "personalized" in comps:
+                self.pending_eval[cid] = comps["personalized"]
+        return None
+
+    def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0:  # the pre-round evaluation happened when the run was set up
+            return None
+        t = self._round(server_round)
+        self.co.finish(t, self.pending_eval)
+        return MetricRecord({"round": t})
