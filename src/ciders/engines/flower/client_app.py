@@ -66,10 +66,11 @@ def _check_identity(context: Context, cid: str, digest: str) -> None:
 def _task(cfg_text: str, state: Path):
     key = (hashlib.sha256(cfg_text.encode()).hexdigest(), str(state))
     if key not in _TASKS:
+        from ciders.algorithms import configure
         from ciders.config import loads_config
         from ciders.engines.llm_task import LLMTask
 
-        cfg = loads_config(cfg_text, "the config the server sent")
+        cfg = configure(loads_config(cfg_text, "the config the server sent"))  # the method's effective knobs
         _TASKS.clear()  # one experiment per process at a time
         _TASKS[key] = (cfg, LLMTask(cfg, state, log=lambda s: None, role="client"))
     return _TASKS[key]

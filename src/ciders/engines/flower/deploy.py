@@ -114,7 +114,9 @@ class Deployment:
     port: int = 8000
     host: str = "127.0.0.1"
     secure: bool = True  # TLS + SuperNode authentication
+    node_port: int = 9094  # SuperNode i serves its ClientApps on node_port + i (127.0.0.1)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    groups: set[int] = field(default_factory=set)  # every process group started (for `leftovers`)
 
     def __post_init__(self):
         self.work = Path(self.work).resolve()
@@ -133,6 +135,7 @@ class Deployment:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=flower_env(self.home, env),
                              cwd=self.work, start_new_session=True)  # own process group: stop() takes children too
         self.procs[name] = p
+        self.groups.add(p.pid)
         return p
 
     def start_superlink(self, timeout: float = 60) -> None:
@@ -172,7 +175,7 @@ class Deployment:
     def start_supernode(self, i: int, n: int, state_dir: Path, env: dict | None = None) -> subprocess.Popen:
         node_cfg = f'partition-id={i} num-partitions={n} state-dir="{Path(state_dir).resolve()}"'
         cmd = ["flower-supernode", "--superlink", f"{self.host}:{self.port}", "--node-config", node_cfg,
-               "--host", "127.0.0.1", "--port", str(9094 + i)]
+               "--host", "127.0.0.1", "--port", str(self.node_port + i)]
         cmd += ["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
                 str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"]
         return self._start(f"supernode{i}", cmd, env)
@@ -211,6 +214,22 @@ class Deployment:
     def stop(self) -> None:
         for name in list(self.procs):
             self.kill(name, signal.SIGTERM)
+        for g in self.groups:  # children that outlived their parent (e.g. a ClientApp mid-message)
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def leftovers(self) -> list[str]:
+        """Processes still running from any group this deployment started, plus any flower-superlink
+        at all (such as the background one `flwr run` starts for ":local:"). Empty after stop()."""
+        r = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True)
+        out = []
+        for line in r.stdout.splitlines():
+            pid, pgid, args = line.split(None, 2) if len(line.split(None, 2)) == 3 else (0, 0, "")
+            if int(pgid) in self.groups or ("flower-superlink" in args and "ps -eo" not in args):
+                out.append(line.strip())
+        return out
 
     # ------------------------------------------------------------------ runs
     def app_dir(self) -> Path:
@@ -253,13 +272,13 @@ class Deployment:
 
 
 def loopback(config: Path, out: Path, n_clients: int, work: Path, overrides: list[str] = (), secure: bool = True,
-             port: int = 8000, log=print) -> str:
+             port: int = 8000, node_port: int = 9094, log=print) -> str:
     """The whole deployment on 127.0.0.1: credentials, SuperLink, N SuperNodes (state in
     WORK/nodes/client<i>), one run, then every process stopped. Returns the run's final status."""
     work = Path(work)
     if secure:
         make_credentials(work, n_clients)
-    dep = Deployment(work, port=port, secure=secure)
+    dep = Deployment(work, port=port, node_port=node_port, secure=secure)
     try:
         dep.start_superlink()
         log(f"SuperLink on {dep.host}:{dep.port} ({'TLS + SuperNode auth' if secure else 'insecure'})")
@@ -278,3 +297,6 @@ def loopback(config: Path, out: Path, n_clients: int, work: Path, overrides: lis
         return status
     finally:
         dep.stop()
+        left = dep.leftovers()
+        if left:
+            log("still running after stop: " + "; ".join(left))

@@ -32,7 +32,7 @@ def _spec_from_run_config(rc: dict) -> dict:
 
 def serve(grid: Grid, spec: dict, log=print) -> dict:
     """One whole run on `grid` (simulation or deployment). Returns the run summary."""
-    from ciders.config import loads_config
+    from ciders.config import dump_yaml, loads_config
     from ciders.engines.flower.strategy import CidersStrategy
     from ciders.engines.llm_task import LLMTask
     from ciders.engines.rounds import Coordinator
@@ -42,7 +42,7 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     co = Coordinator(cfg, LLMTask(cfg, out, log=log), out, resume=spec.get("resume", False), log=log,
                      engine="flower")
-    strategy = CidersStrategy(co, spec["config_text"], log=log)
+    strategy = CidersStrategy(co, dump_yaml(co.cfg), log=log)  # the effective config (a baseline's knobs set)
     remaining = cfg.federation.rounds - co.first_round
     if remaining > 0:
         strategy.start(grid, ArrayRecord(), num_rounds=remaining, timeout=cfg.flower.round_timeout_s,

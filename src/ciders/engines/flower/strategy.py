@@ -47,9 +47,9 @@ class CidersStrategy(Strategy):
         self.log(f"CidersStrategy: {algorithms.method_name(self.co.cfg)}, rounds {self.first}..{self.co.cfg.federation.rounds - 1}")
 
     # ------------------------------------------------------------------ nodes -> clients
-    def _discover(self, grid: Grid, server_round: int) -> None:
+    def _discover(self, grid: Grid, wait: bool) -> None:
         want = len(self.co.ids)
-        deadline = time.monotonic() + (self.fcfg.node_wait_s if server_round == 1 else 0)
+        deadline = time.monotonic() + (self.fcfg.node_wait_s if wait else 0)
         while True:
             nodes = set(grid.get_node_ids())
             if len(nodes) >= want or time.monotonic() >= deadline:
@@ -80,7 +80,7 @@ class CidersStrategy(Strategy):
             self.node_of[cid] = node  # a restarted node replaces the old one
         missing = [c for c in self.co.ids if c not in self.node_of]
         if missing:
-            self.log(f"round {server_round}: no SuperNode for {', '.join(missing)}")
+            self.log(f"no SuperNode for {', '.join(missing)}")
 
     def _round(self, server_round: int) -> int:
         return self.first + server_round - 1
@@ -89,7 +89,7 @@ class CidersStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         t = self._round(server_round)
-        self._discover(grid, server_round)
+        self._discover(grid, wait=server_round == 1)
         sampled = self.co.begin(t)
         self.sent = {}
         out = []
@@ -137,6 +137,7 @@ class CidersStrategy(Strategy):
         self.pending_eval = {}
         if not self.co.eval_due(t):
             return []
+        self._discover(grid, wait=False)  # a node restarted during training gets its new node id mapped
         out = []
         for cid in self.co.eval_clients(t):
             node = self.node_of.get(cid)

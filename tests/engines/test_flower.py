@@ -1,0 +1,199 @@
+"""The Flower engine gives the in-process engine's numbers: under Flower's simulation (Ray) and in a real
+loopback deployment (SuperLink + SuperNodes over TLS with SuperNode authentication), including a
+SuperNode killed mid-round, a reply that comes after its round closed, and a SuperLink + ServerApp
+restart that resumes from the run checkpoint.
+
+Tolerance: none. Both engines run the same functions on the same bytes with the same seeds, and every
+tensor is decoded into its own aligned storage, so metrics.jsonl and the final adapters are compared
+bit for bit (client processes run with OMP_NUM_THREADS=1, like the reference run)."""
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ciders.algorithms import ciders as alg
+from ciders.config import load_config
+from ciders.core.store import RoundStore
+from ciders.engines.llm_task import LLMTask
+from ciders.engines.local import Faults, RunDir, run_federation
+from ciders.fileio import read_jsonl
+from conftest import ROOT
+
+pytestmark = pytest.mark.flower
+
+TINY = f"""name: flower-tiny
+model: {{name: tiny-qwen2, dtype: float32}}
+decomposition: {{messenger_layers: 2, drop_ratio: 0.5}}
+takd: {{bootstrap_steps: 2, round_steps: 1, batch_size: 2}}
+algorithm: {{local_steps: 2, batch_size: 2, lr: 0.01}}
+federation: {{clients: 3, rounds: 2}}
+data:
+  public_limit: 12
+  eval_limit: 4
+  clients_limit: 24
+  max_length: 128
+  public: {ROOT}/data/gsm8k-slice/public.jsonl
+  eval: {ROOT}/data/gsm8k-slice/eval.jsonl
+  clients: {ROOT}/data/gsm8k-slice/clients.jsonl
+flower: {{round_timeout_s: 120, node_wait_s: 90}}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY)
+    return p
+
+
+def local_run(cfg_path, out, overrides=(), faults=None):
+    cfg = load_config(cfg_path, list(overrides))
+    return run_federation(cfg, LLMTask(cfg, out, log=lambda s: None), out, faults=faults, log=lambda s: None,
+                          progress=False)
+
+
+def assert_same_run(a: Path, b: Path):
+    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [r["event"] for r in ra] == [r["event"] for r in rb]
+    for x, y in zip(ra, rb):
+        assert x == y, (x["event"], x.get("round"))
+    for part in ("messenger", "student"):
+        fa, fb = (next((d / "adapters" / part).glob("*.safetensors")) for d in (a, b))
+        ta, tb = load_file(fa), load_file(fb)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), part
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ simulation
+
+
+@pytest.mark.parametrize("method", ["ciders", "fedot"])
+def test_simulation_equals_in_process(tiny, tmp_path, method):
+    """`ciders run --engine flower-sim`: partial participation (2 of 3), per-client consensus state, and
+    (FedOT) a static B_L sent once and kept by each client across its Ray worker processes."""
+    from ciders.cli import main
+
+    extra = [f"algorithm.name={method}", "algorithm.metagrad=fd", "federation.per_round=2", "federation.rounds=3"]
+    local_run(tiny, tmp_path / "local", extra)
+    args = [x for kv in extra for x in ("--set", kv)]
+    assert main(["run", str(tiny), "--out", str(tmp_path / "sim"), "--engine", "flower-sim", *args]) == 0
+    assert_same_run(tmp_path / "local", tmp_path / "sim")
+    assert not (tmp_path / "sim" / "clients").exists()  # client state lives with the clients
+    if method == "fedot":
+        rows = [r for r in read_jsonl(tmp_path / "sim" / "metrics.jsonl") if r["event"] == "round"]
+        assert [("student" in r["bytes_down"]) for r in rows] == [True, True, False]  # first contacts only
+        held = list((tmp_path / "sim" / "flower-clients").glob("client*/static/student.safetensors"))
+        assert len(held) == 3
+
+
+# ------------------------------------------------------------------------------------------ deployment
+
+
+def deployment(tmp_path, n=3):
+    from ciders.engines.flower.deploy import Deployment, make_credentials
+
+    work = tmp_path / "dep"
+    make_credentials(work, n)
+    return Deployment(work, port=free_port(), node_port=free_port())
+
+
+def start_nodes(dep, n, env=None):
+    for i in range(n):
+        dep.register(i)
+    for i in range(n):
+        dep.start_supernode(i, n, dep.work / "nodes" / f"client{i}", env=(env or {}).get(i))
+    dep.wait_online(n)
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.3)
+
+
+def test_loopback_deployment_with_tls_and_node_auth_equals_in_process(tiny, tmp_path):
+    from ciders.engines.flower.deploy import loopback
+
+    local_run(tiny, tmp_path / "local")
+    logs = []
+    status = loopback(tiny, tmp_path / "dep-run", 3, tmp_path / "dep", port=free_port(), node_port=free_port(),
+                      log=logs.append)
+    assert status == "finished:completed", logs
+    assert "TLS + SuperNode auth" in logs[0] and not any("still running" in s for s in logs), logs
+    assert_same_run(tmp_path / "local", tmp_path / "dep-run")
+
+
+def in_sync(cs: alg.ClientState, cp: alg.ServerCopy) -> bool:
+    from ciders.core.tensors import equal
+
+    if cs.version == cp.version:
+        return equal(cs.c_i, cp.c_i)
+    p = cs.pending
+    return p is not None and cp.version == cs.version + 1 and equal({k: cs.c_i[k] + p.dc[k] for k in cs.c_i}, cp.c_i)
+
+
+def test_killed_supernode_and_late_reply(tiny, tmp_path):
+    """Round 0: client2's SuperNode is killed after training, before replying, and restarted (same key,
+    same state directory); client1 replies 15 s after the round closed. The round completes with
+    client0 alone (p renormalised), the late reply is never applied, and the run equals the in-process
+    run in which both replies were lost. client2's consensus copy is in sync with the server's."""
+    timeout = 25
+    over = [f"flower.round_timeout_s={timeout}"]
+    local_run(tiny, tmp_path / "local", over, Faults(drop={(0, "client1"), (0, "client2")}))
+    dep = deployment(tmp_path)
+    out = tmp_path / "run"
+    try:
+        dep.start_superlink()
+        start_nodes(dep, 3, env={1: {"CIDERS_FLOWER_FAULT": f"client1:0:sleep:{timeout + 15}"},
+                                 2: {"CIDERS_FLOWER_FAULT": "client2:0:sleep:600"}})
+        run_id = dep.launch(tiny, out, over)
+        wait_for(lambda: (dep.work / "nodes" / "client2" / "FAULT_SLEEPING_r0").exists(), 300, "client2 to train")
+        dep.kill("supernode2")
+        dep.start_supernode(2, 3, dep.work / "nodes" / "client2")  # back, without the fault
+        assert dep.wait_run(run_id, timeout=600) == "finished:completed", dep.run_log(run_id)[-3000:]
+    finally:
+        dep.stop()
+    assert_same_run(tmp_path / "local", out)
+    server0 = next(r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "server" and r["round"] == 0)
+    assert server0["accepted"] == ["client0"] and server0["p"] == {"client0": 1.0}
+    server = RoundStore(out / "server", RunDir(out).committed())
+    for cid in ("client1", "client2"):
+        store = RoundStore(dep.work / "nodes" / cid / "store", RunDir(out).committed())
+        assert in_sync(alg.client_from_record(*store.get(cid)), alg.copy_from_record(*server.get(cid))), cid
+    assert dep.leftovers() == []
+
+
+def test_restarted_superlink_and_serverapp_resume_from_the_checkpoint(tiny, tmp_path):
+    """The SuperLink (with its ServerApp) is killed once round 0 is committed; a new SuperLink and
+    `flwr run ... resume=true` finish the run, which equals an uninterrupted in-process run."""
+    over = ["federation.rounds=3"]
+    local_run(tiny, tmp_path / "local", over)
+    dep = deployment(tmp_path)
+    out = tmp_path / "run"
+    try:
+        dep.start_superlink()
+        start_nodes(dep, 3)
+        dep.launch(tiny, out, over)
+        wait_for(lambda: RunDir(out).committed() == 0, 300, "round 0 to commit")
+        dep.kill("superlink")
+        for i in range(3):  # the nodes outlive their SuperLink or not; start them afresh either way
+            dep.kill(f"supernode{i}")
+        dep.start_superlink()
+        start_nodes(dep, 3)
+        run_id = dep.launch(tiny, out, over, resume=True)
+        assert dep.wait_run(run_id, timeout=600) == "finished:completed", dep.run_log(run_id)[-3000:]
+    finally:
+        dep.stop()
+    assert_same_run(tmp_path / "local", out)
+    assert dep.leftovers() == []
