@@ -341,6 +341,8 @@ class FlowerConfig:
     round_timeout_s: float = opt(600.0, "how long the ServerApp waits for a round's replies; later ones are dropped")
     node_wait_s: float = opt(120.0, "at the first round, wait up to this long for all federation.clients "
                                     "SuperNodes to connect (then go on with those that did)")
+    rejoin_wait_s: float = opt(0.0, "at later rounds, wait up to this long for SuperNodes that dropped out to "
+                                    "come back (0 = go on with the connected ones at once)")
     client_cpus: float = opt(1.0, "simulation: CPUs Ray reserves per ClientApp (fewer = more clients at once)")
     client_gpus: float = opt(0.0, "simulation: GPUs (fractions allowed) Ray reserves per ClientApp")
 
@@ -348,8 +350,9 @@ class FlowerConfig:
         for k in ("round_timeout_s", "node_wait_s", "client_cpus"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"flower.{k}: must be > 0, got {getattr(self, k)}")
-        if self.client_gpus < 0:
-            raise ConfigError(f"flower.client_gpus: must be >= 0, got {self.client_gpus}")
+        for k in ("client_gpus", "rejoin_wait_s"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"flower.{k}: must be >= 0, got {getattr(self, k)}")
 
 
 @dataclass(frozen=True)

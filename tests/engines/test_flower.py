@@ -143,35 +143,61 @@ def in_sync(cs: alg.ClientState, cp: alg.ServerCopy) -> bool:
     return p is not None and cp.version == cs.version + 1 and equal({k: cs.c_i[k] + p.dc[k] for k in cs.c_i}, cp.c_i)
 
 
-def test_killed_supernode_and_late_reply(tiny, tmp_path):
-    """Round 0: client2's SuperNode is killed after training, before replying, and restarted (same key,
-    same state directory); client1 replies 15 s after the round closed. The round completes with
-    client0 alone (p renormalised), the late reply is never applied, and the run equals the in-process
-    run in which both replies were lost. client2's consensus copy is in sync with the server's."""
-    timeout = 25
-    over = [f"flower.round_timeout_s={timeout}"]
-    local_run(tiny, tmp_path / "local", over, Faults(drop={(0, "client1"), (0, "client2")}))
+def test_supernode_killed_mid_round_rejoins_in_sync(tiny, tmp_path):
+    """Round 0: client2's SuperNode is SIGKILLed after training, before replying, and restarted with
+    the same key and state directory (it rejoins once the SuperLink has marked it offline). The round
+    completes with the others (p renormalised over them) and the run equals the in-process run in which
+    client2's reply was lost; client2's consensus copy is in sync with the server's."""
+    over = ["flower.round_timeout_s=100", "flower.rejoin_wait_s=90"]  # round 1 waits for it to rejoin
+    local_run(tiny, tmp_path / "local", over, Faults(drop={(0, "client2")}))
     dep = deployment(tmp_path)
     out = tmp_path / "run"
     try:
         dep.start_superlink()
-        start_nodes(dep, 3, env={1: {"CIDERS_FLOWER_FAULT": f"client1:0:sleep:{timeout + 15}"},
-                                 2: {"CIDERS_FLOWER_FAULT": "client2:0:sleep:600"}})
+        start_nodes(dep, 3, env={2: {"CIDERS_FLOWER_FAULT": "client2:0:sleep:600"}})
         run_id = dep.launch(tiny, out, over)
         wait_for(lambda: (dep.work / "nodes" / "client2" / "FAULT_SLEEPING_r0").exists(), 300, "client2 to train")
         dep.kill("supernode2")
-        dep.start_supernode(2, 3, dep.work / "nodes" / "client2")  # back, without the fault
+        dep.rejoin(2, 3, dep.work / "nodes" / "client2")  # back, without the fault
         assert dep.wait_run(run_id, timeout=600) == "finished:completed", dep.run_log(run_id)[-3000:]
     finally:
         dep.stop()
     assert_same_run(tmp_path / "local", out)
-    server0 = next(r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "server" and r["round"] == 0)
-    assert server0["accepted"] == ["client0"] and server0["p"] == {"client0": 1.0}
-    server = RoundStore(out / "server", RunDir(out).committed())
-    for cid in ("client1", "client2"):
-        store = RoundStore(dep.work / "nodes" / cid / "store", RunDir(out).committed())
-        assert in_sync(alg.client_from_record(*store.get(cid)), alg.copy_from_record(*server.get(cid))), cid
+    rows = read_jsonl(out / "metrics.jsonl")
+    server = {r["round"]: r for r in rows if r["event"] == "server"}
+    assert server[0]["accepted"] == ["client0", "client1"] and abs(sum(server[0]["p"].values()) - 1) < 1e-12
+    assert server[1]["accepted"] == ["client0", "client1", "client2"]
+    assert_in_sync(out, dep.work, ["client2"])
     assert dep.leftovers() == []
+
+
+def test_reply_after_the_round_closed_is_not_applied(tiny, tmp_path):
+    """client1 replies 15 s after round 0 closed: the round completes without it, the late upload is
+    never applied, and the run equals the in-process run in which that reply was lost."""
+    timeout = 40  # each ClientApp message starts a process that builds the model: ~10 s on 2 cores
+    over = [f"flower.round_timeout_s={timeout}"]
+    local_run(tiny, tmp_path / "local", over, Faults(drop={(0, "client1")}))
+    dep = deployment(tmp_path)
+    out = tmp_path / "run"
+    try:
+        dep.start_superlink()
+        start_nodes(dep, 3, env={1: {"CIDERS_FLOWER_FAULT": f"client1:0:sleep:{timeout + 15}"}})
+        run_id = dep.launch(tiny, out, over)
+        assert dep.wait_run(run_id, timeout=600) == "finished:completed", dep.run_log(run_id)[-3000:]
+    finally:
+        dep.stop()
+    assert_same_run(tmp_path / "local", out)
+    server = {r["round"]: r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "server"}
+    assert "client1" not in server[0]["accepted"] and "client1" in server[1]["accepted"]
+    assert_in_sync(out, dep.work, ["client1"])
+    assert dep.leftovers() == []
+
+
+def assert_in_sync(out, work, cids):
+    server = RoundStore(out / "server", RunDir(out).committed())
+    for cid in cids:
+        store = RoundStore(work / "nodes" / cid / "store", RunDir(out).committed())
+        assert in_sync(alg.client_from_record(*store.get(cid)), alg.copy_from_record(*server.get(cid))), cid
 
 
 def test_restarted_superlink_and_serverapp_resume_from_the_checkpoint(tiny, tmp_path):

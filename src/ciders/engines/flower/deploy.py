@@ -140,8 +140,9 @@ class Deployment:
 
     def start_superlink(self, timeout: float = 60) -> None:
         c = self.work / "certs"
-        cmd = ["flower-superlink", "--host", self.host, "--port", str(self.port), "--database",
-               str(self.work / "superlink.db")]
+        # in-memory SuperLink state: nothing in it is needed to resume (the run directory is), and a
+        # persisted one would keep crashed nodes "online" and refuse them for up to a minute after restart
+        cmd = ["flower-superlink", "--host", self.host, "--port", str(self.port)]
         cmd += ["--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.pem"), "--ssl-keyfile",
                 str(c / "server.key"), "--enable-supernode-auth"] if self.secure else ["--insecure"]
         p = self._start("superlink", cmd)
@@ -179,6 +180,21 @@ class Deployment:
         cmd += ["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
                 str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"]
         return self._start(f"supernode{i}", cmd, env)
+
+    def rejoin(self, i: int, n: int, state_dir: Path, timeout: float = 180, env: dict | None = None) -> None:
+        """Restart SuperNode i after a crash. The SuperLink keeps a SIGKILLed node "online" until its
+        heartbeat lapses (Flower 1.42: 2 x 30 s) and refuses the same key until then (exit code 305), so
+        retry until the node stays up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            p = self.start_supernode(i, n, state_dir, env)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                return  # activated and running
+            if time.monotonic() > deadline:
+                raise CidersError(f"supernode{i} could not rejoin within {timeout:.0f} s; see its log")
+            time.sleep(3)
 
     def online(self) -> int:
         try:
@@ -223,11 +239,13 @@ class Deployment:
     def leftovers(self) -> list[str]:
         """Processes still running from any group this deployment started, plus any flower-superlink
         at all (such as the background one `flwr run` starts for ":local:"). Empty after stop()."""
-        r = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True)
+        r = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True)
         out = []
         for line in r.stdout.splitlines():
-            pid, pgid, args = line.split(None, 2) if len(line.split(None, 2)) == 3 else (0, 0, "")
-            if int(pgid) in self.groups or ("flower-superlink" in args and "ps -eo" not in args):
+            parts = line.split(None, 3)
+            if len(parts) < 4 or parts[2].startswith("Z"):  # zombies have exited (only not reaped yet)
+                continue
+            if int(parts[1]) in self.groups or "flower-superlink" in parts[3]:
                 out.append(line.strip())
         return out
 

@@ -1,7 +1,10 @@
 """CidersStrategy: a `flwr.serverapp.strategy.Strategy` whose every step is the in-process engine's.
 
 Flower round r (1-based) is ciders round t = first + r - 1 (a resumed run starts after its checkpoint).
-  configure_train    find which SuperNode hosts which client (a `query` to nodes not seen yet), sample
+  configure_train    find which SuperNode hosts which client (a `query` to nodes not mapped yet; waiting
+                     `flower.node_wait_s` for all of them at the first round, `flower.rejoin_wait_s`
+                     for dropped-out ones later; a round none of whose clients is connected stops the
+                     run with an error instead of committing an empty round), sample
                      clients exactly as the in-process engine, one message per client with its own
                      broadcast (Coordinator.broadcast). A sampled client without a connected node misses
                      the round, like a lost reply.
@@ -27,6 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ciders.core.wire import PayloadError
+from ciders.errors import CidersError
 from ciders.engines.flower import messages as fm
 from ciders.engines.rounds import Coordinator, Reply
 
@@ -37,7 +41,7 @@ class CidersStrategy(Strategy):
         self.first = co.first_round
         self.fcfg = co.cfg.flower
         self.node_of: dict[str, int] = {}  # client id -> node id hosting it now
-        self.asked: dict[int, str | None] = {}  # node id -> client id it reported (None: no answer yet)
+        self.asked: dict[int, str] = {}  # node id -> client id it reported
         self.pending_eval: dict[str, dict] = {}
         self.sent: dict[int, str] = {}  # node id -> client id of this round's train messages
 
@@ -47,23 +51,27 @@ class CidersStrategy(Strategy):
         self.log(f"CidersStrategy: {algorithms.method_name(self.co.cfg)}, rounds {self.first}..{self.co.cfg.federation.rounds - 1}")
 
     # ------------------------------------------------------------------ nodes -> clients
-    def _discover(self, grid: Grid, wait: bool) -> None:
-        want = len(self.co.ids)
-        deadline = time.monotonic() + (self.fcfg.node_wait_s if wait else 0)
+    def _discover(self, grid: Grid, grace: float) -> None:
+        """Map node ids to client ids: a `hello` query to every connected node not mapped yet, repeated
+        for up to `grace` seconds while some client has no node."""
+        deadline = time.monotonic() + grace
         while True:
             nodes = set(grid.get_node_ids())
-            if len(nodes) >= want or time.monotonic() >= deadline:
+            for cid in [c for c, n in self.node_of.items() if n not in nodes]:
+                self.asked.pop(self.node_of.pop(cid), None)  # gone: ask again if it comes back
+            new = [n for n in nodes if self.asked.get(n) is None]
+            if new:
+                self._hello(grid, new)
+            missing = [c for c in self.co.ids if c not in self.node_of]
+            if not missing or time.monotonic() >= deadline:
                 break
-            time.sleep(0.5)
-        for cid in [c for c, n in self.node_of.items() if n not in nodes]:
-            del self.node_of[cid]
-        new = [n for n in nodes if n not in self.asked or self.asked[n] is None]
-        if not new:
-            return
-        msgs = [Message(fm.pack({"kind": "hello"}), dst_node_id=n, message_type="query") for n in new]
-        for n in new:
-            self.asked[n] = None
-        for rep in grid.send_and_receive(msgs, timeout=self.fcfg.round_timeout_s):
+            time.sleep(2.0)
+        if missing:
+            self.log(f"no SuperNode for {', '.join(missing)}")
+
+    def _hello(self, grid: Grid, nodes: list[int]) -> None:
+        msgs = [Message(fm.pack({"kind": "hello"}), dst_node_id=n, message_type="query") for n in nodes]
+        for rep in grid.send_and_receive(msgs, timeout=min(self.fcfg.round_timeout_s, 60.0)):
             node = rep.metadata.src_node_id
             if rep.has_error():
                 self.log(f"node {node}: no client id ({rep.error.reason})")
@@ -78,9 +86,6 @@ class CidersStrategy(Strategy):
                 continue
             self.asked[node] = cid
             self.node_of[cid] = node  # a restarted node replaces the old one
-        missing = [c for c in self.co.ids if c not in self.node_of]
-        if missing:
-            self.log(f"no SuperNode for {', '.join(missing)}")
 
     def _round(self, server_round: int) -> int:
         return self.first + server_round - 1
@@ -89,8 +94,12 @@ class CidersStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         t = self._round(server_round)
-        self._discover(grid, wait=server_round == 1)
+        self._discover(grid, self.fcfg.node_wait_s if server_round == 1 else self.fcfg.rejoin_wait_s)
         sampled = self.co.begin(t)
+        if not any(cid in self.node_of for cid in sampled):
+            raise CidersError(f"round {t}: none of the sampled clients ({', '.join(sampled)}) has a connected "
+                              f"SuperNode; the run stops after round {self.co.committed} (committed). Start the "
+                              "SuperNodes and launch again with resume=true")
         self.sent = {}
         out = []
         for cid in sampled:
@@ -137,7 +146,7 @@ class CidersStrategy(Strategy):
         self.pending_eval = {}
         if not self.co.eval_due(t):
             return []
-        self._discover(grid, wait=False)  # a node restarted during training gets its new node id mapped
+        self._discover(grid, 0.0)  # a node restarted during training gets its new node id mapped
         out = []
         for cid in self.co.eval_clients(t):
             node = self.node_of.get(cid)
