@@ -80,6 +80,11 @@ def test_payloads_measured_match_the_plan(cmp_dir):
     lo = tables.communication(cmp_dir / "localot" / "seed0")
     assert lo["up"] == 0 and lo["per_client_round"]["down"]["messenger"] == pytest.approx(
         c["down"]["messenger"] / 2)  # one download over two rounds
+    # the emulator's frozen base weights go to each client once (first contact), as `ciders plan` counts
+    # them (edge base weights); this run is FP32
+    summary = json.loads((cmp_dir / "ciders-fo" / "seed0" / "summary.json").read_text())
+    emu = summary["mib"]["by_component"]["down"]["emulator"] / cfg.federation.clients
+    assert 0 < emu * 2**20 - p["edge_base_params"] * 4 < 200 * 64
     md = tables.communication_markdown({"ciders-fo": cmp_dir / "ciders-fo" / "seed0"})
     assert "| ciders-fo |" in md
 

@@ -90,18 +90,21 @@ class LLMTask:
         return takd_record(extra)
 
     def downlink_extra(self, extra: TAKDState) -> dict:
-        return {"student": extra.student}
+        """The student LoRA (every round) and the emulator's frozen base weights (first contact only)."""
+        return {"student": extra.student, "emulator": self.d.emulator_base_state()}
 
     def downlink_reference(self) -> dict:
         """What a client checks the downlink extras against (keys, shapes, dtypes)."""
-        return {"student": self.d.student_state()}
+        return {"student": self.d.student_state(), "emulator": self.d.emulator_base_state()}
 
     def static_extra(self) -> set[str]:
-        """Without per-round TAKD (FedOT, LocalOT) B_L never changes after pre-alignment: a client
-        downloads it once."""
-        return {"student"} if self.cfg.takd.round_steps == 0 else set()
+        """Sent at a client's first contact only: the emulator's base weights (B_L, messenger layers,
+        embeddings, head), and, without per-round TAKD (FedOT, LocalOT), the student LoRA too."""
+        return {"emulator", "student"} if self.cfg.takd.round_steps == 0 else {"emulator"}
 
     def begin_round(self, t: int, downlink_extra: dict) -> None:
+        if "emulator" in downlink_extra:  # absent in-process after first contact (shared model)
+            self.d.load_emulator_base(downlink_extra["emulator"])
         if "student" in downlink_extra:  # absent when static and this client already holds it
             self.d.load_student(downlink_extra["student"])
         self._hidden.clear()  # B_L may have changed: cached backbone outputs are stale

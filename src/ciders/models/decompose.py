@@ -149,6 +149,24 @@ class Decomposition:
     def load_student(self, state: ad.State) -> None:
         ad.set_state(self.student_params(), state, "student")
 
+    def emulator_base_params(self) -> dict[str, nn.Parameter]:
+        """The frozen base weights an edge client runs AdapEmu with: embeddings, B_L's layers, the
+        messenger's layers, norm and head (tied weights once); no adapter, nothing of B_F."""
+        adapters = {id(p) for p in list(self.messenger_params().values()) + list(self.student_params().values())}
+        return {n: p for n, p in self.adapemu.named_parameters() if id(p) not in adapters}
+
+    def emulator_base_state(self) -> ad.State:
+        return {k: p.detach() for k, p in self.emulator_base_params().items()}
+
+    def load_emulator_base(self, state: ad.State) -> None:
+        params = self.emulator_base_params()
+        if state.keys() != params.keys():
+            raise CidersError(f"emulator weights do not match this model's ({len(state)} vs {len(params)} tensors)")
+        with torch.no_grad():
+            for k, p in params.items():
+                if state[k].data_ptr() != p.data_ptr():  # in-process, the server's own tensors arrive
+                    p.copy_(state[k])
+
     def param_names(self, part: str, model: nn.Module) -> dict[str, str]:
         """Canonical key -> parameter name inside `model` (for torch.func.functional_call)."""
         params = self.messenger_params() if part == MESSENGER else self.student_params()

@@ -1,0 +1,153 @@
+"""CidersStrategy without processes: Flower's own round loop (`Strategy.start`) over a grid whose nodes
+answer in this process (model-free clients). Checks node discovery by stable client id and payload
+hygiene: bad replies are rejected and logged with the client id, and never change global state."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Error, Message
+from flwr.supercore.task_identity import TaskIdentity
+
+from ciders.algorithms import ciders as alg
+from ciders.config import dump_yaml, load_config
+from ciders.core.store import RoundStore
+from ciders.core.tensors import equal
+from ciders.core.wire import PayloadError, encode
+from ciders.engines.flower import messages as fm
+from ciders.engines.flower.strategy import CidersStrategy
+from ciders.engines.local import Faults, RunDir, run_federation
+from ciders.engines.rounds import Coordinator, client_round
+from ciders.engines.synthetic import VectorTask
+
+VEC = ["federation.clients=5", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",
+       "algorithm.lr=0.05", "algorithm.gamma=0.3", "algorithm.alpha=0.2", "algorithm.metagrad=fd",
+       "flower.node_wait_s=1"]
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._run_id = TaskIdentity._task_id = TaskIdentity._node_id = None
+
+
+class InProcessGrid:
+    """Nodes 100+i host clients c000i; `tamper[(round, cid)]` rewrites that client's train reply."""
+
+    def __init__(self, cfg, task, root, tamper=None):
+        self.cfg, self.task, self.root, self.tamper = cfg, task, root, tamper or {}
+        self.nodes = {100 + i: cid for i, cid in enumerate(task.ids)}
+        self.stores = {cid: RoundStore(root / cid, -1) for cid in task.ids}
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        out = []
+        for m in messages:
+            cid = self.nodes[m.metadata.dst_node_id]
+            f = fm.fields_of(m.content)
+            if f["kind"] == "hello":
+                out.append(Message(fm.pack({"client_id": cid}), reply_to=m))
+            elif f["kind"] == "train":
+                store = self.stores[cid]
+                store.recover(f["committed"])
+                store.commit(f["committed"])
+                up, rec = client_round(self.cfg, self.task, store, cid, self.task.clients()[cid],
+                                       fm.payload_of(m.content), {})
+                rep = Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=m)
+                fix = self.tamper.get((f["round"], cid))
+                out.append(fix(m, up, rec) if fix else rep)
+            else:  # report
+                rec = RoundStore(self.root / cid, f["committed"]).get(cid)
+                pers = alg.client_from_record(*rec).personalized
+                out.append(Message(fm.pack({"client_id": cid}, encode({"personalized": pers}, {"client_id": cid})[0]),
+                                   reply_to=m))
+        return out
+
+
+def flower_run(tmp_path, tamper=None):
+    cfg = load_config(None, VEC)
+    task = VectorTask(5)
+    logs = []
+    co = Coordinator(cfg, task, tmp_path / "run", log=logs.append, engine="flower")
+    strategy = CidersStrategy(co, dump_yaml(co.cfg), log=logs.append)
+    strategy.start(InProcessGrid(co.cfg, task, tmp_path / "nodes", tamper), ArrayRecord(), num_rounds=2,
+                   evaluate_fn=strategy.evaluate_fn)
+    co.close()
+    return tmp_path / "run", logs
+
+
+def server_state(out):
+    t, m = RunDir(out).load_checkpoint(RunDir(out).committed())
+    return alg.server_from_record({k: v for k, v in t.items() if not k.startswith("extra/")}, m["server"])
+
+
+def test_strategy_round_loop_equals_the_in_process_engine(tmp_path):
+    out, _ = flower_run(tmp_path)
+    cfg = load_config(None, VEC)
+    run_federation(cfg, VectorTask(5), tmp_path / "local", progress=False, log=lambda s: None)
+    assert (out / "metrics.jsonl").read_text() == (tmp_path / "local" / "metrics.jsonl").read_text()
+
+
+def _with_payload(payload: bytes):
+    return lambda m, up, rec: Message(fm.pack({"client_id": rec["client"], "record": json.dumps(rec)}, payload),
+                                      reply_to=m)
+
+
+def test_bad_replies_are_rejected_logged_and_change_nothing(tmp_path):
+    def wrong_dtype(m, up, rec):
+        u = alg.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
+        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version, u.n_examples,
+                                           {"x": u.dc["x"].float()}))[0]
+        return _with_payload(bad)(m, up, rec)
+
+    def nan(m, up, rec):
+        u = alg.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
+        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version, u.n_examples,
+                                           {"x": torch.full_like(u.dc["x"], float("nan"))}))[0]
+        return _with_payload(bad)(m, up, rec)
+
+    def impostor(m, up, rec):  # c0003's node says it is c0000
+        return Message(fm.pack({"client_id": "c0000", "record": json.dumps(rec)}, up), reply_to=m)
+
+    def crashed(m, up, rec):
+        return Message(Error(code=1, reason="ClientApp raised ValueError"), reply_to=m)
+
+    def not_bytes(m, up, rec):  # an ArrayRecord of float arrays instead of the uint8 wire payload
+        rd = fm.pack({"client_id": rec["client"], "record": json.dumps(rec)})
+        rd[fm.PAYLOAD] = ArrayRecord({"wire": Array(np.zeros(4, dtype=np.float32))})
+        return Message(rd, reply_to=m)
+
+    tamper = {(0, "c0001"): wrong_dtype, (0, "c0002"): nan, (0, "c0003"): impostor, (0, "c0004"): crashed,
+              (1, "c0000"): not_bytes}
+    out, logs = flower_run(tmp_path, tamper)
+    server = {r["round"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if r["event"] == "server"}
+    rej0, rej1 = server[0]["rejected"], server[1]["rejected"]
+    assert server[0]["accepted"] == ["c0000"]
+    assert "float32" in rej0["c0001"] and "NaN" in rej0["c0002"] and "c0000" in rej0["c0003"]
+    assert "ClientApp raised" in rej0["c0004"] and "uint8" in rej1["c0000"]
+    for cid in ("c0001", "c0002", "c0003", "c0004"):
+        assert any(cid in line and "rejected" in line for line in logs), cid
+    # global state equals the in-process run in which those replies never arrived
+    cfg = load_config(None, VEC)
+    run_federation(cfg, VectorTask(5), tmp_path / "local", progress=False, log=lambda s: None,
+                   faults=Faults(drop=set(tamper)))
+    a, b = server_state(out), server_state(tmp_path / "local")
+    assert equal(a.messenger, b.messenger) and equal(a.c, b.c)
+
+
+def test_payload_of_rejects_anything_but_one_flat_uint8_array():
+    rd = fm.pack({"kind": "train"}, b"CIDR....")
+    assert fm.payload_of(rd) == b"CIDR...."
+    rd["payload"] = ArrayRecord({"wire": Array(np.zeros((2, 2), dtype=np.uint8))})
+    with pytest.raises(PayloadError, match="flat uint8"):
+        fm.payload_of(rd)
+    rd["payload"] = ArrayRecord({"wire": Array(np.zeros(2, dtype=np.uint8)), "more": Array(np.zeros(1))})
+    with pytest.raises(PayloadError, match="exactly one"):
+        fm.payload_of(rd)
+    with pytest.raises(PayloadError, match="record must be a JSON object"):
+        fm.record_of({"record": "[1]"})
