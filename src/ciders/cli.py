@@ -255,6 +255,10 @@ def parser() -> argparse.ArgumentParser:
                         "virtual SuperNode per client; same config and seed give the same numbers")
     p.set_defaults(fn=_cmd_run)
 
+    from ciders.engines.flower.commands import add_parser as add_flower
+
+    add_flower(sub)
+
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")
     _experiment_args(p, "experiment YAML (the shared settings; each method fixes its own knobs)",
                      "comparison directory (default runs/compare-<name>); finished runs are reused")

@@ -122,16 +122,49 @@ def wait_for(pred, timeout, what):
         time.sleep(0.3)
 
 
-def test_loopback_deployment_with_tls_and_node_auth_equals_in_process(tiny, tmp_path):
-    from ciders.engines.flower.deploy import loopback
+def test_loopback_deployment_with_tls_and_node_auth_equals_in_process(tiny, tmp_path, capsys):
+    """`ciders flower loopback`: credentials, SuperLink, 3 SuperNodes, one run, everything stopped."""
+    from ciders.cli import main
 
     local_run(tiny, tmp_path / "local")
-    logs = []
-    status = loopback(tiny, tmp_path / "dep-run", 3, tmp_path / "dep", port=free_port(), node_port=free_port(),
-                      log=logs.append)
-    assert status == "finished:completed", logs
-    assert "TLS + SuperNode auth" in logs[0] and not any("still running" in s for s in logs), logs
+    port = free_port()
+    assert main(["flower", "loopback", str(tiny), "--out", str(tmp_path / "dep-run"), "--clients", "3",
+                 "--work", str(tmp_path / "dep"), "--port", str(port)]) == 0
+    logs = capsys.readouterr().out
+    assert "TLS + SuperNode auth" in logs and "finished:completed" in logs and "still running" not in logs, logs
     assert_same_run(tmp_path / "local", tmp_path / "dep-run")
+
+
+def test_documented_role_commands_deploy_and_stop_cleanly(tiny, tmp_path):
+    """The multi-host path of docs/flower.md, on one host: `ciders flower credentials | superlink |
+    supernode | launch` as separate processes; SIGTERM to each role stops everything it started."""
+    import signal
+    import subprocess
+    import sys
+
+    local_run(tiny, tmp_path / "local")
+    work, port = tmp_path / "dep", free_port()
+    cli = [sys.executable, "-m", "ciders.cli", "flower"]
+    subprocess.run(cli + ["credentials", str(work), "--clients", "3"], check=True, capture_output=True)
+    roles = [subprocess.Popen(cli + ["superlink", str(work), "--port", str(port)], stdout=subprocess.PIPE, text=True)]
+    try:
+        assert "3 SuperNode keys registered" in roles[0].stdout.readline()
+        node_port = free_port()
+        for i in range(3):
+            roles.append(subprocess.Popen(cli + ["supernode", str(work), "--partition", str(i), "--clients", "3",
+                                                 "--superlink", f"127.0.0.1:{port}", "--node-port", str(node_port + i),
+                                                 "--state-dir", str(work / "nodes" / f"client{i}")]))
+        r = subprocess.run(cli + ["launch", str(tiny), "--out", str(tmp_path / "run"), "--work", str(work),
+                                  "--superlink", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0 and "finished:completed" in r.stdout, r.stdout + r.stderr
+    finally:
+        for p in roles:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in roles]
+    assert codes == [0, 0, 0, 0]
+    assert_same_run(tmp_path / "local", tmp_path / "run")
+    left = subprocess.run(["pgrep", "-af", "flower-super|flwr-"], capture_output=True, text=True).stdout
+    assert str(work) not in left and "flower-superlink" not in left, left
 
 
 def in_sync(cs: alg.ClientState, cp: alg.ServerCopy) -> bool:

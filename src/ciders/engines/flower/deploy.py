@@ -138,11 +138,12 @@ class Deployment:
         self.groups.add(p.pid)
         return p
 
-    def start_superlink(self, timeout: float = 60) -> None:
+    def start_superlink(self, timeout: float = 60, bind: str | None = None) -> None:
+        """Start the SuperLink listening on `bind` (default: the connection host) and wait until healthy."""
         c = self.work / "certs"
         # in-memory SuperLink state: nothing in it is needed to resume (the run directory is), and a
         # persisted one would keep crashed nodes "online" and refuse them for up to a minute after restart
-        cmd = ["flower-superlink", "--host", self.host, "--port", str(self.port)]
+        cmd = ["flower-superlink", "--host", bind or self.host, "--port", str(self.port)]
         cmd += ["--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.pem"), "--ssl-keyfile",
                 str(c / "server.key"), "--enable-supernode-auth"] if self.secure else ["--insecure"]
         p = self._start("superlink", cmd)
@@ -173,10 +174,11 @@ class Deployment:
             if "already" not in str(exc).lower():
                 raise
 
-    def start_supernode(self, i: int, n: int, state_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    def start_supernode(self, i: int, n: int, state_dir: Path, env: dict | None = None,
+                        port: int | None = None) -> subprocess.Popen:
         node_cfg = f'partition-id={i} num-partitions={n} state-dir="{Path(state_dir).resolve()}"'
         cmd = ["flower-supernode", "--superlink", f"{self.host}:{self.port}", "--node-config", node_cfg,
-               "--host", "127.0.0.1", "--port", str(self.node_port + i)]
+               "--host", "127.0.0.1", "--port", str(port or self.node_port + i)]
         cmd += ["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
                 str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"]
         return self._start(f"supernode{i}", cmd, env)
