@@ -21,13 +21,15 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/ciders run configs/demo.yaml --out runs/demo
 
-# Default suite (tiny models, a few minutes), then the real-model suite (SmolLM2-135M).
+# Default suite (tiny models, a few minutes), then the real-model suite (SmolLM2-135M), then the Flower suite
+# (Ray simulation and SuperLink/SuperNode deployments on 127.0.0.1; client processes single-threaded).
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not flower"
 	$(BIN)/python -m pytest -m slow
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m flower
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not flower"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/client_step.py

@@ -83,7 +83,8 @@ def test_payloads_measured_match_the_plan(cmp_dir):
     # the emulator's frozen base weights go to each client once (first contact), as `ciders plan` counts
     # them (edge base weights); this run is FP32
     summary = json.loads((cmp_dir / "ciders-fo" / "seed0" / "summary.json").read_text())
-    emu = summary["mib"]["by_component"]["down"]["emulator"] / cfg.federation.clients
+    emu = summary["mib"]["first_contact"]["emulator"]
+    assert "emulator" not in c["down"]  # not averaged into the per-round traffic
     assert 0 < emu * 2**20 - p["edge_base_params"] * 4 < 200 * 64
     md = tables.communication_markdown({"ciders-fo": cmp_dir / "ciders-fo" / "seed0"})
     assert "| ciders-fo |" in md

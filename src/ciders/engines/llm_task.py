@@ -257,6 +257,9 @@ def render(summary: dict) -> str:
 
     lines.append(f"MiB per client per round: downlink {mib['down_per_client_round']:.3f} ({parts(comp['down'])}); "
                  f"uplink {mib['up_per_client_round']:.3f} ({parts(comp['up'])})")
+    once = mib.get("first_contact") or {}
+    if once:
+        lines.append("MiB per client, once at first contact: " + ", ".join(f"{k} {v:.3f}" for k, v in once.items()))
     lines.append(f"MiB in total over {summary['rounds']} rounds, {summary['client_rounds']} client-rounds: "
                  f"downlink {mib['down_total']:.2f}, uplink {mib['up_total']:.2f}")
     return "\n".join(lines)

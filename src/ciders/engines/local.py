@@ -199,7 +199,9 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
     return co.close()
 
 
-def summarize(run: RunDir, cfg: ExperimentConfig) -> dict:
+def summarize(run: RunDir, cfg: ExperimentConfig, once: set[str] | frozenset = frozenset()) -> dict:
+    """Totals and per-client-round MiB by component. Components a client downloads only at first contact
+    (`once`: e.g. the emulator's base weights) are reported per client, not averaged into the rounds."""
     rows = read_jsonl(run.metrics)
     rounds = [r for r in rows if r["event"] == "round"]
     evals = [r for r in rows if r["event"] == "eval"]
@@ -207,17 +209,23 @@ def summarize(run: RunDir, cfg: ExperimentConfig) -> dict:
     up = sum(sum(r["bytes_up"].values()) for r in rounds)
     n_cr = sum(len(r["clients"]) for r in rounds)
     by_comp: dict[str, dict[str, float]] = {"down": {}, "up": {}}
+    first: dict[str, float] = {}
     for r in rounds:
         for d, key in (("down", "bytes_down"), ("up", "bytes_up")):
             for k, v in r[key].items():
-                by_comp[d][k] = by_comp[d].get(k, 0) + v / MIB
+                acc = first if d == "down" and k in once else by_comp[d]
+                acc[k] = acc.get(k, 0) + v / MIB
+    n_clients = max(len({c for r in rounds for c in r["clients"]}), 1)
+    down -= sum(first.values()) * MIB  # per client-round: the recurring traffic only
     return {
         "rounds": len(rounds), "client_rounds": n_cr,
         "loss_first_round": rounds[0]["loss"] if rounds else None, "loss_last_round": rounds[-1]["loss"] if rounds else None,
         "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if len(evals) > 1 else None,
-        "mib": {"down_total": down / MIB, "up_total": up / MIB,
+        "mib": {"down_total": down / MIB + sum(first.values()), "up_total": up / MIB,
                 "down_per_client_round": down / MIB / max(n_cr, 1), "up_per_client_round": up / MIB / max(n_cr, 1),
-                "by_component": by_comp},
+                "by_component": by_comp,
+                "first_contact": {k: v / n_clients for k, v in first.items()},  # MiB per client, sent once
+                "first_contact_total": first},
     }
 
 
@@ -231,6 +239,8 @@ def load_personalized(run: str | Path, client: str, d) -> dict:
     rec = RoundStore(store, committed if committed is not None else -1).get(client) if store.is_dir() else None
     st = alg.client_from_record(*rec) if rec else None
     if st is None or st.personalized is None:
-        raise CidersError(f"{run}: client {client!r} has no personalized messenger (never trained in this run)")
+        where = " (a Flower run keeps client state on the nodes: evaluate there, or export it from the node's state-dir)" \
+            if not store.is_dir() else " (never trained in this run)"
+        raise CidersError(f"{run}: client {client!r} has no personalized messenger{where}")
     check_state(d.messenger_params(), st.personalized, f"client {client}")
     return {k: v.to(d.device) for k, v in st.personalized.items()}

@@ -258,7 +258,7 @@ class Coordinator:
         if self.tb is not None:
             self.tb.close()
         self.task.finalize(self.run.root, self.server, self.extra)
-        summary = summarize(self.run, self.cfg)
+        summary = summarize(self.run, self.cfg, once=self.static)
         write_json(self.run.root / "summary.json", summary)
         return summary
 

@@ -259,17 +259,20 @@ def communication(page: Page, groups: dict[str, Group]) -> None:
         if sums:
             per[g.method] = {d: _mean_dict([{c: v / s["client_rounds"] for c, v in s["mib"]["by_component"][d].items()}
                                             for s in sums]) for d in ("down", "up")}
+            per[g.method]["once"] = _mean_dict([s["mib"].get("first_contact", {}) for s in sums])
             per[g.method]["total"] = _mean_dict([{d: s["mib"][f"{d}_total"] for d in ("down", "up")} for s in sums])
     if not per:
         page.missing("communication (no summary.json)")
         return
     comps = {d: sorted({c for v in per.values() for c in v[d]}) for d in ("down", "up")}
+    once = sorted({c for v in per.values() for c in v["once"]})
     head = ["method"] + [f"{d}: {esc(c)}" for d in ("down", "up") for c in comps[d] + ["total"]] + \
-           ["run total down", "run total up"]
+           [f"once: {esc(c)}" for c in once] + ["run total down", "run total up"]
     rows = [[esc(m)] + [num(v[d].get(c) if c != "total" else sum(v[d].values()), "{:.4f}") for d in ("down", "up")
-                        for c in comps[d] + ["total"]] + [num(v["total"][d], "{:.3f}") for d in ("down", "up")]
-            for m, v in per.items()]
-    page.add('<p class="note">MiB per client-round by message component (mean over seeds); run totals in MiB.</p>')
+                        for c in comps[d] + ["total"]] + [num(v["once"].get(c), "{:.3f}") for c in once]
+            + [num(v["total"][d], "{:.3f}") for d in ("down", "up")] for m, v in per.items()]
+    page.add('<p class="note">MiB per client-round by message component (mean over seeds); "once" columns: MiB per '
+             'client downloaded only at first contact; run totals in MiB.</p>')
     page.add(table(head, rows))
 
 

@@ -95,6 +95,7 @@ def communication(run: str | Path) -> dict:
     n = max(s["client_rounds"], 1)
     mib = s["mib"]
     return {"per_client_round": {d: {k: v / n for k, v in mib["by_component"][d].items()} for d in ("down", "up")},
+            "first_contact": mib.get("first_contact", {}),
             "down": mib["down_per_client_round"], "up": mib["up_per_client_round"],
             "total_gib": (mib["down_total"] + mib["up_total"]) / 1024, "rounds": s["rounds"], "client_rounds": n}
 
@@ -102,11 +103,13 @@ def communication(run: str | Path) -> dict:
 def communication_markdown(runs: dict[str, str | Path]) -> str:
     """{method: run dir} -> a Table VI-shaped markdown table."""
     lines = ["| method | downlink MiB / client-round (by component) | uplink MiB / client-round (by component) "
-             "| total GiB (both directions) |", "|---|---|---|---|"]
+             "| MiB / client once, at first contact | total GiB (both directions) |", "|---|---|---|---|---|"]
     for m, rd in runs.items():
         c = communication(rd)
         parts = {d: ", ".join(f"{k} {v:.3f}" for k, v in c["per_client_round"][d].items()) or "none" for d in ("down", "up")}
-        lines.append(f"| {m} | {c['down']:.3f} ({parts['down']}) | {c['up']:.3f} ({parts['up']}) | {c['total_gib']:.4f} |")
+        once = ", ".join(f"{k} {v:.3f}" for k, v in c["first_contact"].items()) or "none"
+        lines.append(f"| {m} | {c['down']:.3f} ({parts['down']}) | {c['up']:.3f} ({parts['up']}) | {once} "
+                     f"| {c['total_gib']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

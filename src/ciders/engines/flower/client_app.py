@@ -122,8 +122,12 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
         if kind == "train":
             from ciders.engines.rounds import StaticHolder, client_round
 
+            sizes = task.clients()
+            if cid not in sizes:
+                raise ValueError(f"this node hosts {cid}, but the run has clients {', '.join(sorted(sizes))}; "
+                                 "check its partition-id")
             store = _store(state, committed, keep_current=False)
-            n = task.clients()[cid]
+            n = sizes[cid]
             up, rec = client_round(cfg, task, store, cid, n, fm.payload_of(msg.content), task.downlink_reference(),
                                    held=StaticHolder(state / "static"))
             _fault(cid, kind, t, state)
