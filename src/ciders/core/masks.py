@@ -1,0 +1,117 @@
+"""Structured sub-model masks and per-coordinate aggregation (SPEC 2; RABO / RAFBO and its baselines).
+
+A mask keeps whole output units of a layer: rows of a Linear weight [out, in] (neurons), output channels
+of a conv weight [out, in, kh, kw], and the matching entries of the layer's 1-D parameters (bias,
+normalisation scale / shift). Parameters are grouped into layers by module prefix (`a.b.weight` and
+`a.b.bias` share `a.b`), or by an explicit `groups` map (e.g. a BatchNorm following its conv). A layer
+keeps k = max(1, round(R * out)) units. Extraction rules:
+  importance  the k units with the largest L1 (or L2) norm of the current global weights (RABO, SPEC 2)
+  static      the first k units: a fixed leading sub-model (HeteroFL, Diao et al., ICLR 2021)
+  rolling     a window of k units starting at unit (round mod out), wrapping (FedRolex, Alam et al.,
+              NeurIPS 2022)
+  full        everything (FedMBO = every mask full)
+Layers named in `keep_full` (e.g. a classifier whose outputs are the classes) are never pruned.
+
+Aggregation: coordinate k of the server state moves by the mean over the clients that trained it,
+`s^k - lr (1/C^k) sum_{i in N^k} G^{i,k}`; a coordinate nobody trained keeps its value. The covering
+number C* = min_k C^k.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ciders.core.tensors import State
+
+RULES = ("importance", "static", "rolling", "full")
+
+
+def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] | None = None) -> dict[str, list[str]]:
+    """{layer: [param names]} in parameter order; `groups` overrides a parameter's layer."""
+    out: dict[str, list[str]] = {}
+    for name in params:
+        layer = (groups or {}).get(name, name.rsplit(".", 1)[0] if "." in name else name)
+        out.setdefault(layer, []).append(name)
+    return out
+
+
+def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, norm: str = "l1") -> torch.Tensor:
+    """Sorted indices of the output units (dim 0) a layer keeps."""
+    if rule not in RULES:
+        raise ValueError(f"mask rule must be one of {', '.join(RULES)}, got {rule!r}")
+    if not 0 < ratio <= 1:
+        raise ValueError(f"capacity ratio must be in (0, 1], got {ratio}")
+    n = weight.shape[0]
+    k = max(1, round(ratio * n))
+    if rule == "full" or k >= n:
+        return torch.arange(n)
+    if rule == "static":
+        return torch.arange(k)
+    if rule == "rolling":
+        return torch.sort((torch.arange(k) + round_) % n).values
+    w = weight.detach().reshape(n, -1).float()
+    score = w.abs().sum(1) if norm == "l1" else w.pow(2).sum(1)
+    # stable ordering: ties go to the lower index, so every party computes the same mask
+    order = torch.argsort(-score, stable=True)
+    return torch.sort(order[:k]).values
+
+
+def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str = "importance", *,
+                     round_: int = 0, norm: str = "l1", groups: Mapping[str, str] | None = None,
+                     keep_full: Sequence[str] = ()) -> State:
+    """0/1 masks (the parameters' dtype and shape) keeping fraction `ratio` of every layer's outputs."""
+    masks: State = {}
+    for layer, names in layer_groups(params, groups).items():
+        lead = next((n for n in names if params[n].dim() >= 2), None)
+        if lead is None or layer in keep_full or rule == "full":
+            for n in names:
+                masks[n] = torch.ones_like(params[n])
+            continue
+        keep = kept_units(params[lead], ratio, rule, round_, norm)
+        units = params[lead].shape[0]
+        for n in names:
+            p = params[n]
+            if p.shape[0] != units:
+                raise ValueError(f"{n}: dim 0 is {p.shape[0]}, but its layer {layer!r} has {units} output units")
+            m = torch.zeros_like(p)
+            m[keep] = 1
+            masks[n] = m
+    return masks
+
+
+def coordinate_mean(values: Sequence[State], masks: Sequence[State]) -> tuple[State, State]:
+    """(mean over the clients that hold each coordinate, C^k the number of them); the mean is 0 where
+    C^k = 0. values[i] need only be correct where masks[i] is 1."""
+    if len(values) != len(masks) or not values:
+        raise ValueError("coordinate_mean needs one mask per value and at least one value")
+    keys = values[0].keys()
+    total = {k: torch.zeros_like(values[0][k]) for k in keys}
+    count = {k: torch.zeros_like(values[0][k]) for k in keys}
+    for v, m in zip(values, masks):
+        for k in keys:
+            total[k] += v[k] * m[k]
+            count[k] += m[k]
+    mean = {k: torch.where(count[k] > 0, total[k] / count[k].clamp_min(1), torch.zeros_like(total[k])) for k in keys}
+    return mean, count
+
+
+def apply_coordinate_step(state: State, values: Sequence[State], masks: Sequence[State], lr: float) -> tuple[State, dict]:
+    """s^k <- s^k - lr * coordinate_mean^k; untouched coordinates unchanged. Returns (state', stats)."""
+    mean, count = coordinate_mean(values, masks)
+    new = {k: state[k] - lr * mean[k] for k in state}
+    cover = min(int(c.min()) for c in count.values())
+    trained = sum(int((c > 0).sum()) for c in count.values())
+    return new, {"covering": cover, "coordinates_trained": trained,
+                 "coordinates": sum(c.numel() for c in count.values())}
+
+
+def apply_mask(state: State, mask: State) -> State:
+    return {k: v * mask[k] for k, v in state.items()}
+
+
+def masked_fraction(mask: State) -> float:
+    """Fraction of coordinates kept (what a masked payload costs relative to the full one)."""
+    kept = sum(float(m.sum()) for m in mask.values())
+    return kept / max(sum(m.numel() for m in mask.values()), 1)
