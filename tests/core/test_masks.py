@@ -44,7 +44,7 @@ def test_coordinate_aggregation_with_overlapping_masks_by_hand():
     new, stats = mk.apply_coordinate_step(s, g, m, lr=0.5)
     # coordinate 0: both (mean 2); 1: client 0 (1); 2: client 1 (7); 3: nobody -> unchanged
     assert new["w"].tolist() == [1.0 - 0.5 * 2, 2.0 - 0.5 * 1, 3.0 - 0.5 * 7, 4.0]
-    assert stats == {"covering": 0, "coordinates_trained": 3, "coordinates": 4}
+    assert stats == {"covering": 1, "coordinates_trained": 3, "coordinates": 4}  # C* over trained coordinates
 
 
 def test_full_masks_reduce_to_the_plain_average():

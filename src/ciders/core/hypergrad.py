@@ -94,15 +94,18 @@ def cross_xy_coordinates(g: BiLoss, x: State, y: State, v: State, mu: float) -> 
 # ---------------------------------------------------------------------------------------------- solvers
 
 
-def solve_cg(hvp: HVP, b: State, iters: int, tol: float = 0.0) -> tuple[State, dict]:
-    """H v = b for symmetric positive definite H by conjugate gradient from v = 0."""
+def solve_cg(hvp: HVP, b: State, iters: int, rtol: float = 1e-12) -> tuple[State, dict]:
+    """H v = b for symmetric positive definite H (on the span of b: a masked sub-model's Hessian is
+    singular outside its coordinates, where b is zero too) by conjugate gradient from v = 0; stops early
+    once |r| <= rtol |b|."""
     v = {k: torch.zeros_like(t) for k, t in b.items()}
     r = {k: t.clone() for k, t in b.items()}
     p = {k: t.clone() for k, t in b.items()}
     rs = dot(r, r)
+    stop = rtol * rtol * rs
     n = 0
     for n in range(1, iters + 1):
-        if rs <= tol * tol:
+        if rs <= stop or rs == 0:
             n -= 1
             break
         hp = hvp(p)

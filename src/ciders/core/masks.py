@@ -98,10 +98,12 @@ def coordinate_mean(values: Sequence[State], masks: Sequence[State]) -> tuple[St
 
 
 def apply_coordinate_step(state: State, values: Sequence[State], masks: Sequence[State], lr: float) -> tuple[State, dict]:
-    """s^k <- s^k - lr * coordinate_mean^k; untouched coordinates unchanged. Returns (state', stats)."""
+    """s^k <- s^k - lr * coordinate_mean^k; untouched coordinates unchanged. Returns (state', stats);
+    `covering` is the paper's C* of this round: the minimum C^k over the coordinates someone trained."""
     mean, count = coordinate_mean(values, masks)
     new = {k: state[k] - lr * mean[k] for k in state}
-    cover = min(int(c.min()) for c in count.values())
+    trained_counts = [c[c > 0] for c in count.values() if bool((c > 0).any())]
+    cover = min(int(c.min()) for c in trained_counts) if trained_counts else 0
     trained = sum(int((c > 0).sum()) for c in count.values())
     return new, {"covering": cover, "coordinates_trained": trained,
                  "coordinates": sum(c.numel() for c in count.values())}

@@ -1,0 +1,145 @@
+"""RABO and RAFBO: resource-adaptive distributed bilevel optimization (rabo-paper.txt, Algorithm 1;
+SPEC Part 2). FedMBO is the same method with every mask full.
+
+  min_x (1/n) sum_i f_i(x (.) m_x^i, y*(x) (.) m_y^i),  y*(x) = argmin_y (1/n) sum_i g_i(x (.) m_x^i, y (.) m_y^i)
+
+Round q, for client i with capacity R_i (masks m^i = M(x_q, R_i), M(y_q, R_i): structured, by weight
+importance of the current global weights, `core.masks`; `mask_target = "y"` keeps x full):
+  inner   T steps  y_{t+1} = y_t - beta * (grad_y g_i(x_q (.) m_x, y_t) (.) m_y); upload G^i = sum_t of the
+          masked gradients; server  y^k_{q+1} = y^k_q - beta (1/C^k_y) sum_{i in N^k} G^{i,k}
+  outer   hypergradient at (x_q (.) m_x, y_{q+1} (.) m_y), masked by m_x (RABO: implicit differentiation with
+          CG or Neumann Hessian-vector products; RAFBO: every second-order product by finite differences,
+          optionally the coordinate-wise Jacobian estimator; `core.hypergrad`); server
+          x^s_{q+1} = x^s_q - alpha (1/C^s_x) sum_{i in N^s} grad f_i^s
+Untrained coordinates keep their value; the covering numbers C_x*, C_y* of the round are reported.
+Pure functions over explicit state, as `ciders.algorithms.ciders`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ciders.core import hypergrad as hg
+from ciders.core import masks as mk
+from ciders.core.tensors import State, clone, lincomb
+
+BiLoss = Callable[[State, State, object], torch.Tensor]  # (x, y, batch) -> scalar
+
+
+@dataclass(frozen=True)
+class RaboConfig:
+    method: str = "rabo"  # rabo | rafbo | fedmbo (all masks full, RABO's hypergradient)
+    mask_rule: str = "importance"  # importance | static | rolling | full (core.masks)
+    mask_target: str = "both"  # both | y (hyperparameter tasks: every client needs all of x)
+    mask_norm: str = "l1"
+    keep_full: tuple[str, ...] = ()  # layers never pruned (e.g. the classifier head)
+    inner_steps: int = 5  # T
+    beta: float = 0.1  # inner learning rate
+    alpha: float = 0.05  # outer learning rate
+    solver: str = "cg"  # cg | neumann (RABO); RAFBO uses the same solver on finite-difference products
+    solver_iters: int = 10
+    neumann_eta: float = 0.05
+    fd_delta: float = 1e-3  # RAFBO finite-difference step (mu)
+    coordinates: bool = False  # RAFBO: the coordinate-wise Jacobian estimator (low-dimensional x)
+
+    def validate(self) -> "RaboConfig":
+        checks = {"method": ("rabo", "rafbo", "fedmbo"), "mask_rule": mk.RULES, "mask_target": ("both", "y"),
+                  "mask_norm": ("l1", "l2"), "solver": ("cg", "neumann")}
+        for k, allowed in checks.items():
+            if getattr(self, k) not in allowed:
+                raise ValueError(f"rabo.{k}: must be one of {', '.join(allowed)}, got {getattr(self, k)!r}")
+        for k in ("inner_steps", "solver_iters"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"rabo.{k}: must be >= 1, got {getattr(self, k)}")
+        for k in ("beta", "alpha", "neumann_eta", "fd_delta"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"rabo.{k}: must be > 0, got {getattr(self, k)}")
+        if self.coordinates and self.method != "rafbo":
+            raise ValueError("rabo.coordinates: the coordinate-wise estimator is RAFBO's (method: rafbo)")
+        return self
+
+
+@dataclass(frozen=True)
+class BilevelState:
+    round: int
+    x: State
+    y: State
+
+
+@dataclass(frozen=True)
+class ClientMasks:
+    x: State
+    y: State
+    capacity: float
+
+
+def init_state(x: State, y: State) -> BilevelState:
+    return BilevelState(0, clone(x), clone(y))
+
+
+def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float) -> ClientMasks:
+    """m_x = M(x_q, R_i), m_y = M(y_q, R_i) from the current global weights (recomputed every round)."""
+    rule = "full" if cfg.method == "fedmbo" else cfg.mask_rule
+    kw = {"round_": state.round, "norm": cfg.mask_norm, "keep_full": cfg.keep_full}
+    mx = mk.structured_masks(state.x, capacity, "full" if cfg.mask_target == "y" else rule, **kw)
+    my = mk.structured_masks(state.y, capacity, rule, **kw)
+    return ClientMasks(mx, my, capacity)
+
+
+def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss, batches: Sequence
+                 ) -> tuple[State, dict]:
+    """T masked steps on y; returns G^i = sum_t G_t (only the masked coordinates are non-zero)."""
+    if len(batches) != cfg.inner_steps:
+        raise ValueError(f"inner_update needs T = {cfg.inner_steps} batches, got {len(batches)}")
+    x = mk.apply_mask(state.x, m.x)
+    y = mk.apply_mask(state.y, m.y)
+    total = {k: torch.zeros_like(v) for k, v in y.items()}
+    losses = []
+    for batch in batches:
+        gx, gy = hg.grads(lambda a, b: g(a, b, batch), x, y)
+        gm = mk.apply_mask(gy, m.y)
+        y = lincomb([(1.0, y), (-cfg.beta, gm)])
+        total = lincomb([(1.0, total), (1.0, gm)])
+        losses.append(float(g(x, y, batch)))
+    return total, {"inner_loss": sum(losses) / len(losses)}
+
+
+def server_inner(cfg: RaboConfig, state: BilevelState, Gs: Sequence[State], masks: Sequence[ClientMasks]
+                 ) -> tuple[BilevelState, dict]:
+    y, st = mk.apply_coordinate_step(state.y, Gs, [m.y for m in masks], cfg.beta)
+    return BilevelState(state.round, state.x, y), {"covering_y": st["covering"],
+                                                   "trained_y": st["coordinates_trained"] / st["coordinates"]}
+
+
+def outer_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, f: BiLoss, g: BiLoss, batch
+                 ) -> tuple[State, dict]:
+    """The client's masked hypergradient at (x_q (.) m_x, y_{q+1} (.) m_y) (state.y is y_{q+1})."""
+    x = mk.apply_mask(state.x, m.x)
+    y = mk.apply_mask(state.y, m.y)
+
+    # the client's sub-model: gradients in y flow only through its coordinates
+    def fm(a, b):
+        return f(a, mk.apply_mask(b, m.y), batch)
+
+    def gm(a, b):
+        return g(a, mk.apply_mask(b, m.y), batch)
+
+    second = "fd" if cfg.method == "rafbo" else "autograd"
+    h, info = hg.hypergradient(fm, gm, x, y, solver=cfg.solver, iters=cfg.solver_iters, eta=cfg.neumann_eta,
+                               second_order=second, delta=cfg.fd_delta, coordinates=cfg.coordinates)
+    return mk.apply_mask(h, m.x), {"outer_loss": float(f(x, y, batch)), **{f"solver_{k}": v for k, v in info.items()}}
+
+
+def server_outer(cfg: RaboConfig, state: BilevelState, hs: Sequence[State], masks: Sequence[ClientMasks]
+                 ) -> tuple[BilevelState, dict]:
+    x, st = mk.apply_coordinate_step(state.x, hs, [m.x for m in masks], cfg.alpha)
+    return BilevelState(state.round + 1, x, state.y), {"covering_x": st["covering"],
+                                                       "trained_x": st["coordinates_trained"] / st["coordinates"]}
+
+
+def payload_fraction(m: ClientMasks) -> dict:
+    """Fraction of the full x / y a client's masked payloads carry (only masked coordinates travel)."""
+    return {"x": mk.masked_fraction(m.x), "y": mk.masked_fraction(m.y)}
