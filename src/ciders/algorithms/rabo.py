@@ -80,10 +80,12 @@ def init_state(x: State, y: State) -> BilevelState:
     return BilevelState(0, clone(x), clone(y))
 
 
-def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float) -> ClientMasks:
-    """m_x = M(x_q, R_i), m_y = M(y_q, R_i) from the current global weights (recomputed every round)."""
+def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, groups: dict[str, str] | None = None
+                 ) -> ClientMasks:
+    """m_x = M(x_q, R_i), m_y = M(y_q, R_i) from the current global weights (recomputed every round);
+    `groups` puts parameters into layers (e.g. `models.vision.conv4_groups()`: a BN follows its conv)."""
     rule = "full" if cfg.method == "fedmbo" else cfg.mask_rule
-    kw = {"round_": state.round, "norm": cfg.mask_norm, "keep_full": cfg.keep_full}
+    kw = {"round_": state.round, "norm": cfg.mask_norm, "keep_full": cfg.keep_full, "groups": groups}
     mx = mk.structured_masks(state.x, capacity, "full" if cfg.mask_target == "y" else rule, **kw)
     my = mk.structured_masks(state.y, capacity, rule, **kw)
     return ClientMasks(mx, my, capacity)

@@ -1,0 +1,64 @@
+"""Omniglot episodes from the real zips, Conv4 as a function of named parameters, and RABO rounds on them:
+masks drop whole conv channels with their BN, capacity-1/4 clients leave channels to the full client
+(C_x* = 1), and the hypergradient flows into x only where the client's mask is on."""
+
+import torch
+import torch.nn.functional as F
+
+from ciders.algorithms import rabo as rb
+from ciders.models import vision as vz
+from ciders.tasks import omniglot as om
+from helpers import shared
+
+
+def test_characters_shards_and_episodes():
+    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    assert len(pool) == 136 and all(v.shape == (20, 1, 28, 28) for v in pool.values())
+    imgs = torch.stack(list(pool.values()))
+    assert float(imgs.min()) >= 0 and float(imgs.max()) <= 1 and 0.02 < float(imgs.mean()) < 0.3  # ink is sparse
+    shards = om.shard(sorted(pool), 10, seed=0)
+    flat = [c for s in shards for c in s]
+    assert sorted(flat) == sorted(pool) and len(set(flat)) == 136 and {len(s) for s in shards} <= {13, 14}
+    ep = om.episode(pool, shards[0], 5, 1, 3, torch.Generator().manual_seed(0))
+    assert ep.support.shape == (5, 1, 28, 28) and ep.query.shape == (15, 1, 28, 28)
+    assert sorted(ep.support_labels.tolist()) == list(range(5)) and sorted(set(ep.query_labels.tolist())) == list(range(5))
+
+
+def test_official_one_shot_runs():
+    runs = om.one_shot_runs(shared("omniglot", "all_runs.zip"))
+    assert len(runs) == 20
+    for r in runs:
+        assert r.support.shape == (20, 1, 28, 28) and r.query.shape == (20, 1, 28, 28)
+        assert sorted(r.query_labels.tolist()) == list(range(20))  # each class is queried once
+
+
+def test_rabo_round_on_omniglot_with_conv4():
+    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    shards = om.shard(sorted(pool), 3, seed=0)
+    width, n_way = 16, 5
+
+    def g(x, y, ep):
+        return F.cross_entropy(vz.linear(y, vz.conv4_features(x, ep.support)), ep.support_labels) + \
+            0.05 * sum((v ** 2).sum() for v in y.values())
+
+    def f(x, y, ep):
+        return F.cross_entropy(vz.linear(y, vz.conv4_features(x, ep.query)), ep.query_labels)
+
+    cfg = rb.RaboConfig(inner_steps=3, beta=0.5, alpha=0.1, solver_iters=5, keep_full=("head",)).validate()
+    s = rb.init_state(vz.conv4_init(width=width, seed=0), vz.linear_init(n_way, width))
+    gen = torch.Generator().manual_seed(0)
+    eps = [om.episode(pool, sh, n_way, 1, 5, gen) for sh in shards]
+    masks = [rb.client_masks(cfg, s, r, groups=vz.conv4_groups()) for r in (1.0, 0.5, 0.25)]
+    for m, r in zip(masks, (1.0, 0.5, 0.25)):
+        keep = m.x["block3.conv.weight"].reshape(width, -1).amax(1)
+        assert int(keep.sum()) == round(r * width) and torch.equal(m.x["block3.bn.weight"], keep)
+        assert bool((m.y["head.weight"] == 1).all())  # class outputs are never pruned
+    Gs = [rb.inner_update(cfg, s, m, g, [e] * 3)[0] for m, e in zip(masks, eps)]
+    mid, si = rb.server_inner(cfg, s, Gs, masks)
+    outs = [rb.outer_update(cfg, mid, m, f, g, e) for m, e in zip(masks, eps)]
+    for (h, _), m in zip(outs, masks):
+        assert all(bool(torch.isfinite(v).all()) for v in h.values())
+        assert all(bool((h[k][m.x[k] == 0] == 0).all()) for k in h)  # nothing outside the sub-model travels
+    new, so = rb.server_outer(cfg, mid, [o[0] for o in outs], masks)
+    assert so["covering_x"] == 1 and si["covering_y"] == 3
+    assert any(not torch.equal(new.x[k], s.x[k]) for k in s.x)
