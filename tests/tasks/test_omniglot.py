@@ -62,3 +62,32 @@ def test_rabo_round_on_omniglot_with_conv4():
     new, so = rb.server_outer(cfg, mid, [o[0] for o in outs], masks)
     assert so["covering_x"] == 1 and si["covering_y"] == 3
     assert any(not torch.equal(new.x[k], s.x[k]) for k in s.x)
+
+
+def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
+    """Two rounds of RABO and of FedMBO on real Omniglot through the bilevel loop: per-round covering
+    numbers, and the sub-model clients cost fewer bytes and fewer gradient calls than FedMBO's."""
+    from ciders.algorithms import fedmbo
+    from ciders.engines.bilevel import FewShotTask, run_bilevel
+    from ciders.fileio import read_jsonl
+
+    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    ev = om.load_characters(shared("omniglot", "images_background_small2.zip"))
+    ev = {k: v for k, v in ev.items() if k.split("/")[0] not in ("Greek", "Latin")}  # held-out alphabets
+    caps = [1.0, 0.5, 0.25]
+    cfg = rb.RaboConfig(inner_steps=2, beta=0.5, alpha=0.05, solver_iters=3, keep_full=("head",)).validate()
+    res = {}
+    for name, c in (("rabo", cfg), ("fedmbo", fedmbo.configure(cfg))):
+        task = FewShotTask(pool, caps, width=16, eval_pool=ev, eval_episodes=5, eval_steps=5)
+        res[name] = run_bilevel(c, task, 2, tmp_path / name, log=lambda s: None)
+        rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+        rounds = [r for r in rows if r["event"] == "round"]
+        assert len(rounds) == 2 and len([r for r in rows if r["event"] == "client"]) == 6
+        assert 0 <= rows[-1]["accuracy"] <= 1 and rows[-1]["episodes"] == 5
+    rabo_rounds = [r for r in read_jsonl(tmp_path / "rabo" / "metrics.jsonl") if r["event"] == "round"]
+    assert all(r["covering_x"] == 1 for r in rabo_rounds)
+    assert all(r["covering_x"] == 3 for r in read_jsonl(tmp_path / "fedmbo" / "metrics.jsonl") if r["event"] == "round")
+    assert res["rabo"]["bytes_up"] < 0.7 * res["fedmbo"]["bytes_up"]
+    assert res["rabo"]["calls"] == res["fedmbo"]["calls"]  # the same evaluations, on smaller sub-models:
+    assert res["fedmbo"]["op_estimate"] == res["fedmbo"]["calls"]  # full masks: kept fraction 1
+    assert res["rabo"]["op_estimate"] < 0.7 * res["fedmbo"]["op_estimate"]
