@@ -55,3 +55,11 @@ def test_full_masks_reduce_to_the_plain_average():
     assert torch.allclose(mean["a"], sum(v["a"] for v in vals) / 3, atol=0, rtol=1e-6)
     assert bool((count["a"] == 3).all())
     assert mk.masked_fraction(mk.structured_masks(vals[0], 0.5, "static")) == 0.5
+
+
+def test_magnitude_rule_keeps_the_largest_entries_of_each_tensor():
+    p = {"fc.weight": torch.tensor([[0.1, -3.0], [2.0, 0.0]]), "fc.bias": torch.tensor([5.0, -1.0]),
+         "head.weight": torch.tensor([[0.0, 0.0]])}
+    m = mk.structured_masks(p, 0.5, "magnitude", keep_full=["head"])
+    assert m["fc.weight"].tolist() == [[0.0, 1.0], [1.0, 0.0]] and m["fc.bias"].tolist() == [1.0, 0.0]
+    assert m["head.weight"].tolist() == [[1.0, 1.0]]

@@ -10,6 +10,9 @@ keeps k = max(1, round(R * out)) units. Extraction rules:
   rolling     a window of k units starting at unit (round mod out), wrapping (FedRolex, Alam et al.,
               NeurIPS 2022)
   full        everything (FedMBO = every mask full)
+  magnitude   unstructured: the R fraction of each tensor's entries with the largest |w| (the
+              importance-aware extraction of FIARSE, Wu et al., NeurIPS 2024; its threshold-controlled
+              biased gradient descent is not implemented)
 Layers named in `keep_full` (e.g. a classifier whose outputs are the classes) are never pruned.
 
 Aggregation: coordinate k of the server state moves by the mean over the clients that trained it,
@@ -25,7 +28,7 @@ import torch
 
 from ciders.core.tensors import State
 
-RULES = ("importance", "static", "rolling", "full")
+RULES = ("importance", "static", "rolling", "full", "magnitude")
 
 
 def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] | None = None) -> dict[str, list[str]]:
@@ -63,6 +66,9 @@ def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str
                      keep_full: Sequence[str] = ()) -> State:
     """0/1 masks (the parameters' dtype and shape) keeping fraction `ratio` of every layer's outputs."""
     masks: State = {}
+    if rule == "magnitude":
+        return {n: _magnitude_mask(p, ratio) if not any(n.startswith(k + ".") or n == k for k in keep_full)
+                else torch.ones_like(p) for n, p in params.items()}
     for layer, names in layer_groups(params, groups).items():
         lead = next((n for n in names if params[n].dim() >= 2), None)
         if lead is None or layer in keep_full or rule == "full":
@@ -79,6 +85,17 @@ def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str
             m[keep] = 1
             masks[n] = m
     return masks
+
+
+def _magnitude_mask(p: torch.Tensor, ratio: float) -> torch.Tensor:
+    if not 0 < ratio <= 1:
+        raise ValueError(f"capacity ratio must be in (0, 1], got {ratio}")
+    flat = p.detach().reshape(-1).abs().float()
+    k = max(1, round(ratio * flat.numel()))
+    keep = torch.argsort(-flat, stable=True)[:k]  # ties to the lower index, as kept_units
+    m = torch.zeros(flat.numel(), dtype=p.dtype)
+    m[keep] = 1
+    return m.view_as(p)
 
 
 def coordinate_mean(values: Sequence[State], masks: Sequence[State]) -> tuple[State, State]:
