@@ -42,6 +42,19 @@ def _cmd_distill(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bilevel(a: argparse.Namespace) -> int:
+    from ciders.config import load_config
+    from ciders.config_bilevel import BilevelExperiment
+    from ciders.engines.bilevel import run_experiment
+
+    exp = load_config(a.config, a.set or [], cls=BilevelExperiment)
+    out = Path(a.out) if a.out else Path("runs") / exp.name
+    run_experiment(exp, out, [m.strip() for m in a.methods.split(",") if m.strip()])
+    print((out / "bilevel.md").read_text())
+    print(f"output directory: {out}")
+    return 0
+
+
 def _cmd_run(a: argparse.Namespace) -> int:
     from ciders.engines.llm_task import LLMTask, render
     from ciders.engines.local import RunDir, run_federation
@@ -258,6 +271,11 @@ def parser() -> argparse.ArgumentParser:
     from ciders.engines.flower.commands import add_parser as add_flower
 
     add_flower(sub)
+
+    p = sub.add_parser("bilevel", help="RABO / RAFBO / FedMBO on a bilevel task (few-shot Omniglot, loss tuning)")
+    _experiment_args(p, "bilevel experiment YAML (configs/cpu/rabo_*.yaml)", "output directory (default runs/<name>)")
+    p.add_argument("--methods", default="rabo,rafbo,fedmbo", help="comma-separated: rabo, rafbo, fedmbo")
+    p.set_defaults(fn=_cmd_bilevel)
 
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")
     _experiment_args(p, "experiment YAML (the shared settings; each method fixes its own knobs)",

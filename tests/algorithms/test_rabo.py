@@ -10,6 +10,7 @@ import torch
 from ciders.algorithms import fedmbo, rafbo
 from ciders.algorithms import rabo as rb
 from ciders.core.tensors import max_abs_diff
+from ciders.errors import ConfigError
 
 LAM = 0.2
 
@@ -97,9 +98,9 @@ def test_rafbo_equals_rabo_on_a_quadratic_with_masks():
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="rabo.method"):
+    with pytest.raises(ConfigError, match="rabo.method"):
         rb.RaboConfig(method="fednest").validate()
-    with pytest.raises(ValueError, match="coordinates"):
+    with pytest.raises(ConfigError, match="coordinates"):
         rb.RaboConfig(coordinates=True).validate()
     with pytest.raises(ValueError, match="T = 5"):
         rb.inner_update(rb.RaboConfig(), start(), rb.client_masks(rb.RaboConfig(), start(), 1.0), losses(clients()[0])[1], [None])

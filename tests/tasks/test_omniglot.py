@@ -68,7 +68,8 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     """Two rounds of RABO and of FedMBO on real Omniglot through the bilevel loop: per-round covering
     numbers, and the sub-model clients cost fewer bytes and fewer gradient calls than FedMBO's."""
     from ciders.algorithms import fedmbo
-    from ciders.engines.bilevel import FewShotTask, run_bilevel
+    from ciders.engines.bilevel import run_bilevel
+    from ciders.engines.bilevel_tasks import FewShotTask
     from ciders.fileio import read_jsonl
 
     pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))

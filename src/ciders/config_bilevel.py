@@ -1,0 +1,77 @@
+"""The typed config of a RABO-family experiment (SPEC 2): one YAML file, `ciders bilevel CONFIG`.
+
+Sections: task (few-shot Omniglot or loss tuning on long-tailed CIFAR-10), federation (clients, their
+capacities, rounds), rabo (the algorithm: `ciders.algorithms.rabo.RaboConfig`). Same machinery as the
+CIDERS config: defaults with help, unknown keys rejected, `--set section.key=value` overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ciders.algorithms.rabo import RaboConfig
+from ciders.config import opt, section
+from ciders.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BilevelTaskConfig:
+    kind: str = opt("fewshot", "fewshot (Omniglot hyper-representation) | losstune (VS-loss on long-tailed CIFAR-10)")
+    data: str = opt("${CIDERS_DATA}/omniglot", "dataset directory (omniglot/ or cifar10/)")
+    n_way: int = opt(5, "fewshot: N classes per episode")
+    k_shot: int = opt(1, "fewshot: K support drawings per class (the inner data)")
+    q_query: int = opt(5, "fewshot: query drawings per class (the outer data)")
+    width: int = opt(32, "fewshot: Conv4 channels; losstune: hidden units of the classifier")
+    reg: float = opt(0.05, "L2 weight on y in the inner loss (strong convexity)")
+    eval_episodes: int = opt(100, "fewshot: held-out episodes for accuracy and its 95% CI")
+    eval_steps: int = opt(20, "fewshot: head-fitting steps on each held-out episode's support")
+    imbalance: float = opt(100.0, "losstune: imbalance ratio rho of the training set (n_c = n_max rho^(-c/(C-1)))")
+    n_max: int = opt(300, "losstune: training images of the largest class (<= 500 in the shipped subset)")
+    val_per_class: int = opt(50, "losstune: balanced validation images per class (from the test split)")
+
+    def validate(self) -> None:
+        if self.kind not in ("fewshot", "losstune"):
+            raise ConfigError(f"task.kind: must be fewshot or losstune, got {self.kind!r}")
+        for k in ("n_way", "k_shot", "q_query", "width", "eval_episodes", "eval_steps", "n_max", "val_per_class"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"task.{k}: must be >= 1, got {getattr(self, k)}")
+        if self.k_shot + self.q_query > 20:
+            raise ConfigError("task.k_shot + task.q_query: an Omniglot character has 20 drawings")
+        if self.imbalance < 1:
+            raise ConfigError(f"task.imbalance: must be >= 1, got {self.imbalance}")
+        if self.n_max > 500:
+            raise ConfigError("task.n_max: the shipped CIFAR-10 train subset has 500 images per class")
+
+
+@dataclass(frozen=True)
+class BilevelFederationConfig:
+    clients: int = opt(10, "number of clients N")
+    capacities: tuple[float, ...] = opt((1.0, 0.5, 0.25, 0.125, 0.0625),
+                                        "capacity ratios R, assigned to clients in turn (client i gets R[i mod len])")
+    rounds: int = opt(20, "Q: global iterations")
+
+    def validate(self) -> None:
+        if self.clients < 1 or self.rounds < 1:
+            raise ConfigError("federation.clients and federation.rounds must be >= 1")
+        if not self.capacities or any(not 0 < r <= 1 for r in self.capacities):
+            raise ConfigError(f"federation.capacities: each must be in (0, 1], got {list(self.capacities)}")
+
+    def client_capacities(self) -> list[float]:
+        return [self.capacities[i % len(self.capacities)] for i in range(self.clients)]
+
+
+@dataclass(frozen=True)
+class BilevelExperiment:
+    name: str = opt("bilevel", "run name")
+    seed: int = opt(0, "seed for shards, episodes and initial weights")
+    task: BilevelTaskConfig = section(BilevelTaskConfig, "the bilevel task and its data")
+    federation: BilevelFederationConfig = section(BilevelFederationConfig, "clients, capacities, rounds")
+    rabo: RaboConfig = section(RaboConfig, "RABO / RAFBO / FedMBO (ciders.algorithms.rabo)")
+
+    def validate(self) -> "BilevelExperiment":
+        self.task.validate()
+        self.federation.validate()
+        self.rabo.validate()
+        if self.task.kind == "losstune" and self.rabo.mask_target != "y":
+            raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
+        return self

@@ -1,0 +1,177 @@
+"""Bilevel tasks for `engines.bilevel` (SPEC 2): few-shot hyper-representation on Omniglot and loss tuning
+on long-tailed CIFAR-10; `build(cfg)` makes one from a BilevelExperiment config."""
+
+from __future__ import annotations
+
+import torch
+
+from ciders.core.hypergrad import grads
+
+
+class FewShotTask:
+    """Few-shot hyper-representation (SPEC 2, task 1): x = Conv4 features, y = a linear head; the inner
+    loss is support cross-entropy + (reg / 2)|y|^2 (strongly convex in y), the outer one query
+    cross-entropy. Clients hold disjoint shards of characters; evaluation fits a fresh head on each
+    held-out episode's support (`eval_steps` gradient steps) and reports query accuracy with a 95% CI."""
+
+    def __init__(self, pool: dict, capacities: list[float], n_way: int = 5, k_shot: int = 1, q_query: int = 5,
+                 width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
+                 eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5):
+        from ciders.tasks import omniglot as om
+
+        self.om, self.pool, self.caps = om, pool, capacities
+        self.shards = om.shard(sorted(pool), len(capacities), seed)
+        self.n_way, self.k_shot, self.q_query, self.width, self.reg, self.seed = n_way, k_shot, q_query, width, reg, seed
+        self.eval_pool = eval_pool or pool
+        self.eval_episodes, self.eval_steps, self.eval_lr = eval_episodes, eval_steps, eval_lr
+        self._episodes: dict = {}
+        self._round = -1
+
+    def clients(self) -> list[float]:
+        return list(self.caps)
+
+    def initial(self):
+        from ciders.models import vision as vz
+
+        return vz.conv4_init(width=self.width, seed=self.seed), vz.linear_init(self.n_way, self.width)
+
+    def groups(self) -> dict:
+        from ciders.models import vision as vz
+
+        return vz.conv4_groups()
+
+    def _episode(self, i: int, q: int):
+        """Client i's episode of round q (its support is the inner data, its query the outer data)."""
+        if self._round != q:
+            self._episodes, self._round = {}, q
+        if i not in self._episodes:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + q * 1009 + i)
+            self._episodes[i] = self.om.episode(self.pool, self.shards[i], self.n_way, self.k_shot, self.q_query, gen)
+        return self._episodes[i]
+
+    def batches(self, i: int, q: int, n: int) -> list:
+        return [self._episode(i, q)] * n
+
+    def outer_batch(self, i: int, q: int):
+        return self._episode(i, q)
+
+    def g(self, x, y, ep):
+        import torch.nn.functional as F
+
+        from ciders.models import vision as vz
+
+        return F.cross_entropy(vz.linear(y, vz.conv4_features(x, ep.support)), ep.support_labels) + \
+            0.5 * self.reg * sum((v ** 2).sum() for v in y.values())
+
+    def f(self, x, y, ep):
+        import torch.nn.functional as F
+
+        from ciders.models import vision as vz
+
+        return F.cross_entropy(vz.linear(y, vz.conv4_features(x, ep.query)), ep.query_labels)
+
+    def evaluate(self, x, y) -> dict:
+        from ciders.models import vision as vz
+
+        gen = torch.Generator().manual_seed(self.seed + 7)
+        chars = sorted(self.eval_pool)
+        accs = []
+        for _ in range(self.eval_episodes):
+            ep = self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen)
+            with torch.no_grad():
+                fs, fq = vz.conv4_features(x, ep.support), vz.conv4_features(x, ep.query)
+            head = {k: torch.zeros_like(v) for k, v in vz.linear_init(self.n_way, fs.shape[1]).items()}
+            for _ in range(self.eval_steps):
+                _, gh = grads(lambda a, b: torch.nn.functional.cross_entropy(vz.linear(b, fs), ep.support_labels),
+                              {}, head)
+                head = {k: head[k] - self.eval_lr * gh[k] for k in head}
+            accs.append(float((vz.linear(head, fq).argmax(1) == ep.query_labels).float().mean()))
+        t = torch.tensor(accs)
+        return {"accuracy": float(t.mean()), "ci95": float(1.96 * t.std() / len(accs) ** 0.5), "episodes": len(accs)}
+
+
+class LossTuneTask:
+    """Loss tuning (SPEC 2, task 2): x = VS-loss (w, l, Delta) per class, y = a one-hidden-layer classifier
+    on 8x8-average-pooled pixels (48 features; CPU scale). Clients hold an IID split of the long-tailed
+    training set; the outer loss is cross-entropy on a balanced validation set (each client its share);
+    evaluation is balanced accuracy on the balanced test set."""
+
+    def __init__(self, train, val, test, capacities: list[float], width: int = 32, reg: float = 1e-3, seed: int = 0):
+        import torch.nn.functional as F
+
+        self.F, self.caps, self.width, self.reg, self.seed = F, capacities, width, reg, seed
+        pool = lambda x: F.avg_pool2d(x, 8).flatten(1)  # noqa: E731
+        (xt, yt), (xv, yv), (xs, ys) = train, val, test
+        n = len(capacities)
+        gen = torch.Generator().manual_seed(seed)
+        pt, pv = torch.randperm(len(yt), generator=gen), torch.randperm(len(yv), generator=gen)
+        self.train = [(pool(xt[pt[i::n]]), yt[pt[i::n]]) for i in range(n)]
+        self.val = [(pool(xv[pv[i::n]]), yv[pv[i::n]]) for i in range(n)]
+        self.test = (pool(xs), ys)
+
+    def clients(self) -> list[float]:
+        return list(self.caps)
+
+    def initial(self):
+        g = torch.Generator().manual_seed(self.seed)
+        y = {"fc1.weight": torch.randn(self.width, 48, generator=g) * (2 / 48) ** 0.5,
+             "fc1.bias": torch.zeros(self.width), "head.weight": torch.randn(10, self.width, generator=g) * 0.1,
+             "head.bias": torch.zeros(10)}
+        return {"w": torch.ones(10), "l": torch.zeros(10), "delta": torch.ones(10)}, y
+
+    def groups(self) -> dict:
+        return {}
+
+    def batches(self, i: int, q: int, n: int) -> list:
+        return [self.train[i]] * n
+
+    def outer_batch(self, i: int, q: int):
+        return self.val[i]
+
+    def _net(self, y, a):
+        F = self.F
+        return F.linear(torch.relu(F.linear(a, y["fc1.weight"], y["fc1.bias"])), y["head.weight"], y["head.bias"])
+
+    def g(self, x, y, batch):
+        from ciders.tasks.longtail import vs_loss
+
+        a, lab = batch
+        return vs_loss(self._net(y, a), lab, x["w"], x["l"], x["delta"]) + \
+            0.5 * self.reg * sum((v ** 2).sum() for v in y.values())
+
+    def f(self, x, y, batch):
+        a, lab = batch
+        return self.F.cross_entropy(self._net(y, a), lab)
+
+    def evaluate(self, x, y) -> dict:
+        from ciders.tasks.longtail import balanced_accuracy
+
+        with torch.no_grad():
+            logits = self._net(y, self.test[0])
+        return {"balanced_accuracy": balanced_accuracy(logits, self.test[1], 10), "test_examples": len(self.test[1])}
+
+
+def build(cfg):
+    """The task of a BilevelExperiment config, from the real data files."""
+    from pathlib import Path
+
+    from ciders.tasks.paths import resolve
+
+    t, caps = cfg.task, cfg.federation.client_capacities()
+    root = Path(resolve(t.data))
+    if t.kind == "fewshot":
+        from ciders.tasks import omniglot as om
+
+        pool = om.load_characters(root / "images_background_small1.zip")
+        held = om.load_characters(root / "images_background_small2.zip")
+        held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
+        return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
+                           eval_episodes=t.eval_episodes, eval_steps=t.eval_steps)
+    from ciders.tasks import longtail as lt
+
+    xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")
+    xt, yt = lt.load_cifar10(root / "cifar10_test.zip")
+    tr = lt.per_class_subset(ys, lt.long_tail_counts(t.n_max, 10, t.imbalance))
+    va = lt.per_class_subset(yt, [t.val_per_class] * 10)
+    te = lt.per_class_subset(yt, [1000 - t.val_per_class] * 10, offset=t.val_per_class)
+    return LossTuneTask((xs[tr], ys[tr]), (xt[va], yt[va]), (xt[te], yt[te]), caps, t.width, t.reg, cfg.seed)

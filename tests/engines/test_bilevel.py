@@ -1,0 +1,37 @@
+"""`ciders bilevel`: RABO, RAFBO and FedMBO on the real few-shot and loss-tuning data, one table."""
+
+import json
+
+import pytest
+
+from ciders.cli import main
+from conftest import ROOT
+from helpers import shared
+
+
+def test_fewshot_and_losstune_tables(tmp_path, capsys):
+    shared("omniglot", "images_background_small1.zip")
+    shared("cifar10", "cifar10_test.zip")
+    fs = ["--set", "federation.clients=3", "--set", "federation.rounds=1", "--set", "task.eval_episodes=3",
+          "--set", "task.width=8", "--set", "rabo.inner_steps=2", "--set", "rabo.solver_iters=2"]
+    assert main(["bilevel", str(ROOT / "configs/cpu/rabo_fewshot.yaml"), "--out", str(tmp_path / "fs"), *fs]) == 0
+    md = (tmp_path / "fs" / "bilevel.md").read_text()
+    assert all(f"| {m} |" in md for m in ("rabo", "rafbo", "fedmbo"))
+    res = json.loads((tmp_path / "fs" / "bilevel.json").read_text())
+    assert res["rabo"]["bytes_up"] < res["fedmbo"]["bytes_up"] and res["rabo"]["calls"] > 0
+    assert "| fedmbo | " in md and "| 3 | 1.000 |" in md  # FedMBO: every client trains all of x
+    lt = ["--set", "federation.clients=3", "--set", "federation.rounds=1", "--set", "task.n_max=40",
+          "--set", "task.imbalance=10", "--set", "task.val_per_class=5", "--methods", "rabo,fedmbo"]
+    assert main(["bilevel", str(ROOT / "configs/cpu/rabo_losstune.yaml"), "--out", str(tmp_path / "lt"), *lt]) == 0
+    res = json.loads((tmp_path / "lt" / "bilevel.json").read_text())
+    assert 0 <= res["rabo"]["final"]["balanced_accuracy"] <= 1 and res["rabo"]["final"]["test_examples"] == 9950
+
+
+@pytest.mark.parametrize("args,err", [
+    (["--set", "task.shots=2"], "unknown key 'shots' under 'task'"),
+    (["--set", "rabo.mask_target=both"], "mask_target: y"),
+    (["--methods", "rabo,fednest"], "unknown bilevel method 'fednest'"),
+])
+def test_bilevel_config_errors(tmp_path, capsys, args, err):
+    assert main(["bilevel", str(ROOT / "configs/cpu/rabo_losstune.yaml"), "--out", str(tmp_path), *args]) == 2
+    assert err in capsys.readouterr().err
