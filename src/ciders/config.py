@@ -339,6 +339,7 @@ class FlowerConfig:
     """Only read by the Flower engines (`ciders run --engine flower-sim`, `ciders flower ...`)."""
 
     round_timeout_s: float = opt(600.0, "how long the ServerApp waits for a round's replies; later ones are dropped")
+    eval_timeout_s: float = opt(600.0, "how long an evaluating round waits for the clients' personalized messengers")
     node_wait_s: float = opt(120.0, "at the first round, wait up to this long for all federation.clients "
                                     "SuperNodes to connect (then go on with those that did)")
     rejoin_wait_s: float = opt(0.0, "at later rounds, wait up to this long for SuperNodes that dropped out to "
@@ -347,7 +348,7 @@ class FlowerConfig:
     client_gpus: float = opt(0.0, "simulation: GPUs (fractions allowed) Ray reserves per ClientApp")
 
     def validate(self) -> None:
-        for k in ("round_timeout_s", "node_wait_s", "client_cpus"):
+        for k in ("round_timeout_s", "eval_timeout_s", "node_wait_s", "client_cpus"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"flower.{k}: must be > 0, got {getattr(self, k)}")
         for k in ("client_gpus", "rejoin_wait_s"):

@@ -229,14 +229,33 @@ class Deployment:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM every role, then SIGKILL whatever of ours is still running after `grace` seconds: any
+        process in a group we started, or one started for this deployment in a group of its own (Flower's
+        ServerApp / ClientApp processes name our certificates or state directories)."""
         for name in list(self.procs):
             self.kill(name, signal.SIGTERM)
-        for g in self.groups:  # children that outlived their parent (e.g. a ClientApp mid-message)
-            try:
-                os.killpg(g, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        deadline = time.monotonic() + grace
+        while self._ours() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid, pgid in self._ours():
+            for kill, target in ((os.killpg, pgid), (os.kill, pid)):
+                try:
+                    kill(target, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _ours(self) -> list[tuple[int, int]]:
+        r = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True)
+        out = []
+        for line in r.stdout.splitlines():
+            parts = line.split(None, 3)
+            if len(parts) < 4 or parts[2].startswith("Z") or int(parts[0]) == os.getpid():
+                continue
+            flower = "flwr-" in parts[3] or "flower-" in parts[3]  # not other `ciders flower` roles
+            if int(parts[1]) in self.groups or (flower and str(self.work) in parts[3]):
+                out.append((int(parts[0]), int(parts[1])))
+        return out
 
     def leftovers(self) -> list[str]:
         """Processes still running from any group this deployment started, plus any flower-superlink
@@ -247,7 +266,7 @@ class Deployment:
             parts = line.split(None, 3)
             if len(parts) < 4 or parts[2].startswith("Z"):  # zombies have exited (only not reaped yet)
                 continue
-            if int(parts[1]) in self.groups or "flower-superlink" in parts[3]:
+            if int(parts[1]) in self.groups or str(self.work) in parts[3] or "flower-superlink" in parts[3]:
                 out.append(line.strip())
         return out
 

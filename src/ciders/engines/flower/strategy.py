@@ -13,11 +13,12 @@ Flower round r (1-based) is ciders round t = first + r - 1 (a resumed run starts
                      are rejected and logged with the client id; they never touch global state.
                      Replies that come after `flower.round_timeout_s` are not part of the round (Flower
                      drops them), so p_i is renormalised over the uploads that arrived.
-  configure_evaluate when the round evaluates and personalized messengers are needed: a `report`
-                     request to the nodes of those clients (evaluation traffic, not counted in the
-                     training bytes, as in-process where the engine reads them from the client store).
-  evaluate_fn        (called by Strategy.start after each round) Coordinator.finish: evaluate, log,
-                     checkpoint and commit.
+  evaluate_fn        (called by Strategy.start after each round) when the round evaluates, a `report`
+                     request (message type evaluate) to the nodes of the clients whose personalized
+                     messengers the evaluation reads, waiting up to `flower.eval_timeout_s` (evaluation
+                     traffic, not counted in the training bytes, as in-process where the engine reads
+                     them from the client store); then Coordinator.finish: evaluate, log, checkpoint,
+                     commit. (Strategy.start's own evaluate phase is unused: it shares the train timeout.)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class CidersStrategy(Strategy):
         self.fcfg = co.cfg.flower
         self.node_of: dict[str, int] = {}  # client id -> node id hosting it now
         self.asked: dict[int, str] = {}  # node id -> client id it reported
-        self.pending_eval: dict[str, dict] = {}
+        self.grid: Grid | None = None
         self.sent: dict[int, str] = {}  # node id -> client id of this round's train messages
 
     def summary(self) -> None:
@@ -94,6 +95,7 @@ class CidersStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         t = self._round(server_round)
+        self.grid = grid
         self._discover(grid, self.fcfg.node_wait_s if server_round == 1 else self.fcfg.rejoin_wait_s)
         sampled = self.co.begin(t)
         if not any(cid in self.node_of for cid in sampled):
@@ -142,24 +144,24 @@ class CidersStrategy(Strategy):
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        t = self._round(server_round)
-        self.pending_eval = {}
-        if not self.co.eval_due(t):
-            return []
+        return []  # personalized messengers are collected in evaluate_fn, with their own timeout
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def _collect_personalized(self, t: int) -> dict:
+        from ciders.core.wire import decode
+
+        grid = self.grid
         self._discover(grid, 0.0)  # a node restarted during training gets its new node id mapped
-        out = []
+        msgs = []
         for cid in self.co.eval_clients(t):
             node = self.node_of.get(cid)
             if node is not None:
                 fields = {"kind": "report", "round": t, "committed": self.co.committed, "config": self.config_text}
-                out.append(Message(fm.pack(fields), dst_node_id=node, message_type="evaluate"))
-        return out
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        from ciders.core.wire import decode
-
-        t = self._round(server_round)
-        for rep in replies:
+                msgs.append(Message(fm.pack(fields), dst_node_id=node, message_type="evaluate"))
+        out = {}
+        for rep in grid.send_and_receive(msgs, timeout=self.fcfg.eval_timeout_s) if msgs else []:
             node = rep.metadata.src_node_id
             cid = self.asked.get(node)
             if rep.has_error() or cid is None:
@@ -173,12 +175,16 @@ class CidersStrategy(Strategy):
                 self.log(f"round {t}: rejected report from {cid}: {exc}")
                 continue
             if "personalized" in comps:
-                self.pending_eval[cid] = comps["personalized"]
-        return None
+                out[cid] = comps["personalized"]
+        missing = sorted(set(self.co.eval_clients(t)) - set(out))
+        if missing:
+            self.log(f"round {t}: evaluating without the personalized messengers of {', '.join(missing)}")
+        return out
 
     def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:  # the pre-round evaluation happened when the run was set up
             return None
         t = self._round(server_round)
-        self.co.finish(t, self.pending_eval)
+        pers = self._collect_personalized(t) if self.co.eval_due(t) else {}
+        self.co.finish(t, pers)
         return MetricRecord({"round": t})
