@@ -334,6 +334,14 @@ class FederationConfig:
         _choice("federation.eval_clients", self.eval_clients, ("all", "participants"))
 
 
+def validate_sections(cfg: Any) -> None:
+    """Run every section's own validate() (the cross-field checks stay with the experiment class)."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v.validate()
+
+
 @dataclass(frozen=True)
 class FlowerConfig:
     """Only read by the Flower engines (`ciders run --engine flower-sim`, `ciders flower ...`)."""
@@ -373,10 +381,7 @@ class ExperimentConfig:
     flower: FlowerConfig = section(FlowerConfig, "the Flower engines: timeouts and simulation resources")
 
     def validate(self) -> "ExperimentConfig":
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if dataclasses.is_dataclass(v):
-                v.validate()
+        validate_sections(self)
         fed, data = self.federation, self.data
         if data.task == "custom" and fed.partition in ("natural", "dirichlet"):
             raise ConfigError(f"federation.partition={fed.partition} needs a labelled named task (data.task: dolly, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ciders.algorithms.rabo import RaboConfig
-from ciders.config import opt, section
+from ciders.config import opt, section, validate_sections
 from ciders.errors import ConfigError
 
 
@@ -69,9 +69,7 @@ class BilevelExperiment:
     rabo: RaboConfig = section(RaboConfig, "RABO / RAFBO / FedMBO (ciders.algorithms.rabo)")
 
     def validate(self) -> "BilevelExperiment":
-        self.task.validate()
-        self.federation.validate()
-        self.rabo.validate()
+        validate_sections(self)
         if self.task.kind == "losstune" and self.rabo.mask_target != "y":
             raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
         return self

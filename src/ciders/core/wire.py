@@ -49,16 +49,7 @@ def decode(msg: bytes, expect: Mapping[str, Mapping[str, torch.Tensor]] | None =
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    if len(msg) < 8 or msg[:4] != MAGIC:
-        raise PayloadError("not a ciders message (bad magic)")
-    (hlen,) = struct.unpack("<I", msg[4:8])
-    try:
-        header = json.loads(msg[8 : 8 + hlen])
-        comps = header["components"]
-        meta = header["meta"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PayloadError(f"unreadable message header: {exc}") from exc
-    pos = 8 + hlen
+    comps, meta, pos = _header(msg)
     out: dict[str, State] = {}
     for name, n in comps:
         if not isinstance(n, int) or n < 0 or pos + n > len(msg):
@@ -95,15 +86,24 @@ def check(st: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], name:
             raise PayloadError(f"component {name!r}: {k!r} has NaN or Inf")
 
 
-def sizes(msg: bytes) -> dict[str, int]:
-    """Bytes per component of an encoded message, read from its header (what `encode` returned)."""
+def _header(msg: bytes) -> tuple[list, dict, int]:
+    """(components [[name, nbytes], ...], meta, offset of the first blob), or PayloadError."""
     if len(msg) < 8 or msg[:4] != MAGIC:
         raise PayloadError("not a ciders message (bad magic)")
     (hlen,) = struct.unpack("<I", msg[4:8])
     try:
-        comps = json.loads(msg[8 : 8 + hlen])["components"]
-        out = {str(n): int(b) for n, b in comps}
+        header = json.loads(msg[8 : 8 + hlen])
+        return header["components"], header["meta"], 8 + hlen
     except (ValueError, KeyError, TypeError) as exc:
         raise PayloadError(f"unreadable message header: {exc}") from exc
-    out["header"] = 8 + hlen
+
+
+def sizes(msg: bytes) -> dict[str, int]:
+    """Bytes per component of an encoded message, read from its header (what `encode` returned)."""
+    comps, _, start = _header(msg)
+    try:
+        out = {str(n): int(b) for n, b in comps}
+    except (ValueError, TypeError) as exc:
+        raise PayloadError(f"unreadable message header: {exc}") from exc
+    out["header"] = start
     return out

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from ciders.algorithms import rabo as rb
+from ciders.core import masks as mk
 from ciders.fileio import append_jsonl, write_json
 
 
@@ -36,8 +37,7 @@ def payload_bytes(values: dict, mask: dict) -> int:
 
 
 def _kept_fraction(m: rb.ClientMasks) -> float:
-    kept = sum(float(v.sum()) for v in list(m.x.values()) + list(m.y.values()))
-    return kept / sum(v.numel() for v in list(m.x.values()) + list(m.y.values()))
+    return mk.masked_fraction({**{f"x/{k}": v for k, v in m.x.items()}, **{f"y/{k}": v for k, v in m.y.items()}})
 
 
 class _Counter:

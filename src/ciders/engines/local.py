@@ -28,8 +28,6 @@ A *task* supplies the model-specific parts (an LLM decomposition, or synthetic v
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -39,14 +37,15 @@ from tqdm.auto import tqdm
 
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
-from ciders.config import ExperimentConfig, load_config, to_dict
+from ciders.config import ExperimentConfig
 from ciders.core.store import RoundStore
+from ciders.engines.rundir import MIB, RunDir, check_same_config, sample_clients, summarize
 from ciders.errors import CidersError
-from ciders.fileio import atomic_dir, read_jsonl, write_json, write_text
-from ciders.runtime import derived_seed
 
-MIB = 2**20
 
+# the run directory lives in engines.rundir; these names stay importable from here
+__all__ = ["MIB", "Faults", "RunDir", "SimulatedCrash", "Task", "check_same_config", "load_personalized",
+           "run_federation", "sample_clients", "summarize"]
 
 class Task(Protocol):  # see the module docstring
     def clients(self) -> dict[str, int]: ...
@@ -80,73 +79,6 @@ class Faults:
     def maybe_crash(self, t: int, phase: str) -> None:
         if self.crash == (t, phase):
             raise SimulatedCrash(f"simulated crash at round {t}, {phase}")
-
-
-def sample_clients(ids: list[str], m: int | None, seed: int, t: int) -> list[str]:
-    if m is None or m >= len(ids):
-        return list(ids)
-    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(derived_seed(seed, t, 101)))
-    return [ids[i] for i in sorted(perm[:m].tolist())]
-
-
-class RunDir:
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.ckpt = self.root / "checkpoints"
-        self.metrics = self.root / "metrics.jsonl"
-        self.timing = self.root / "timing.jsonl"
-
-    def committed(self) -> int | None:
-        p = self.ckpt / "LATEST"
-        if not p.is_file():
-            return None
-        try:
-            return int(json.loads(p.read_text())["round"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CidersError(f"{p} is unreadable ({exc}); the run directory is damaged") from exc
-
-    def save_checkpoint(self, t: int, tensors: dict, meta: dict, keep: int) -> None:
-        from safetensors.torch import save_file
-
-        with atomic_dir(self.ckpt / f"round_{t + 1:06d}") as tmp:  # round -1 (pre-alignment) -> round_000000
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / "state.safetensors"))
-            (tmp / "state.json").write_text(json.dumps(meta, indent=2))
-        write_json(self.ckpt / "LATEST", {"round": t})  # the commit point
-        for old in sorted(self.ckpt.glob("round_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def load_checkpoint(self, t: int) -> tuple[dict, dict]:
-        from safetensors.torch import load_file
-
-        d = self.ckpt / f"round_{t + 1:06d}"
-        if not d.is_dir():
-            raise CidersError(f"checkpoint for round {t} missing in {self.ckpt}; the run directory is damaged")
-        tensors = {k: v.clone() for k, v in load_file(str(d / "state.safetensors")).items()}  # aligned (core.wire)
-        return tensors, json.loads((d / "state.json").read_text())
-
-    def truncate_metrics(self, committed: int) -> None:
-        for path in (self.metrics, self.timing):
-            if path.exists():
-                keep = [r for r in read_jsonl(path) if r.get("round", -1) <= committed]
-                write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
-def check_same_config(run: RunDir, cfg: ExperimentConfig) -> None:
-    saved = load_config(run.root / "config.yaml")
-    a, b = to_dict(saved), to_dict(cfg)
-
-    def diff(x, y, path=""):
-        if isinstance(x, dict):
-            for k in x:
-                r = diff(x[k], y.get(k), f"{path}.{k}" if path else k)
-                if r:
-                    return r
-            return None
-        return path if x != y else None
-
-    key = diff(a, b)
-    if key:
-        raise CidersError(f"--resume: the config differs from the run's config.yaml at '{key}'; resume with the same config")
 
 
 def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: bool = False,
@@ -197,36 +129,6 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
         faults.maybe_crash(t, "commit")
     bar.close()
     return co.close()
-
-
-def summarize(run: RunDir, cfg: ExperimentConfig, once: set[str] | frozenset = frozenset()) -> dict:
-    """Totals and per-client-round MiB by component. Components a client downloads only at first contact
-    (`once`: e.g. the emulator's base weights) are reported per client, not averaged into the rounds."""
-    rows = read_jsonl(run.metrics)
-    rounds = [r for r in rows if r["event"] == "round"]
-    evals = [r for r in rows if r["event"] == "eval"]
-    down = sum(sum(r["bytes_down"].values()) for r in rounds)
-    up = sum(sum(r["bytes_up"].values()) for r in rounds)
-    n_cr = sum(len(r["clients"]) for r in rounds)
-    by_comp: dict[str, dict[str, float]] = {"down": {}, "up": {}}
-    first: dict[str, float] = {}
-    for r in rounds:
-        for d, key in (("down", "bytes_down"), ("up", "bytes_up")):
-            for k, v in r[key].items():
-                acc = first if d == "down" and k in once else by_comp[d]
-                acc[k] = acc.get(k, 0) + v / MIB
-    n_clients = max(len({c for r in rounds for c in r["clients"]}), 1)
-    down -= sum(first.values()) * MIB  # per client-round: the recurring traffic only
-    return {
-        "rounds": len(rounds), "client_rounds": n_cr,
-        "loss_first_round": rounds[0]["loss"] if rounds else None, "loss_last_round": rounds[-1]["loss"] if rounds else None,
-        "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if len(evals) > 1 else None,
-        "mib": {"down_total": down / MIB + sum(first.values()), "up_total": up / MIB,
-                "down_per_client_round": down / MIB / max(n_cr, 1), "up_per_client_round": up / MIB / max(n_cr, 1),
-                "by_component": by_comp,
-                "first_contact": {k: v / n_clients for k, v in first.items()},  # MiB per client, sent once
-                "first_contact_total": first},
-    }
 
 
 def load_personalized(run: str | Path, client: str, d) -> dict:

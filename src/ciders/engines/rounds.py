@@ -30,6 +30,7 @@ from ciders.config import ExperimentConfig, dump_yaml
 from ciders.core import wire
 from ciders.core.store import RoundStore
 from ciders.core.wire import PayloadError
+from ciders.engines.rundir import RunDir, check_same_config, sample_clients, summarize
 from ciders.errors import CidersError
 from ciders.fileio import append_jsonl, write_json, write_text
 
@@ -51,8 +52,6 @@ class Coordinator:
 
     def __init__(self, cfg: ExperimentConfig, task, out: str | Path, resume: bool = False,
                  log: Callable[[str], None] = print, engine: str = "local"):
-        from ciders.engines.local import RunDir, check_same_config
-
         given, cfg = cfg, algorithms.configure(cfg)
         self.cfg, self.task, self.log = cfg, task, log
         self.run = run = RunDir(out)
@@ -138,8 +137,6 @@ class Coordinator:
 
     # ------------------------------------------------------------------ one round
     def begin(self, t: int) -> list[str]:
-        from ciders.engines.local import sample_clients
-
         if t != self.committed + 1:
             raise CidersError(f"round {t} cannot start: round {self.committed} is the last committed one")
         self._t_round = time.perf_counter()
@@ -253,8 +250,6 @@ class Coordinator:
         self.committed = t
 
     def close(self) -> dict:
-        from ciders.engines.local import summarize
-
         if self.tb is not None:
             self.tb.close()
         self.task.finalize(self.run.root, self.server, self.extra)

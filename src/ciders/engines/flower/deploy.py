@@ -245,30 +245,29 @@ class Deployment:
                 except (ProcessLookupError, PermissionError):
                     pass
 
-    def _ours(self) -> list[tuple[int, int]]:
+    def _processes(self) -> list[tuple[int, int, str]]:
+        """(pid, pgid, args) of every live process but this one (zombies have exited, only not reaped)."""
         r = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True)
         out = []
         for line in r.stdout.splitlines():
             parts = line.split(None, 3)
-            if len(parts) < 4 or parts[2].startswith("Z") or int(parts[0]) == os.getpid():
-                continue
-            flower = "flwr-" in parts[3] or "flower-" in parts[3]  # not other `ciders flower` roles
-            if int(parts[1]) in self.groups or (flower and str(self.work) in parts[3]):
-                out.append((int(parts[0]), int(parts[1])))
+            if len(parts) == 4 and not parts[2].startswith("Z") and int(parts[0]) != os.getpid():
+                out.append((int(parts[0]), int(parts[1]), parts[3]))
+        return out
+
+    def _ours(self) -> list[tuple[int, int]]:
+        out = []
+        for pid, pgid, args in self._processes():
+            flower = "flwr-" in args or "flower-" in args  # not other `ciders flower` roles
+            if pgid in self.groups or (flower and str(self.work) in args):
+                out.append((pid, pgid))
         return out
 
     def leftovers(self) -> list[str]:
         """Processes still running from any group this deployment started, plus any flower-superlink
         at all (such as the background one `flwr run` starts for ":local:"). Empty after stop()."""
-        r = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True)
-        out = []
-        for line in r.stdout.splitlines():
-            parts = line.split(None, 3)
-            if len(parts) < 4 or parts[2].startswith("Z"):  # zombies have exited (only not reaped yet)
-                continue
-            if int(parts[1]) in self.groups or str(self.work) in parts[3] or "flower-superlink" in parts[3]:
-                out.append(line.strip())
-        return out
+        return [f"{pid} {args}" for pid, pgid, args in self._processes()
+                if pgid in self.groups or str(self.work) in args or "flower-superlink" in args]
 
     # ------------------------------------------------------------------ runs
     def app_dir(self) -> Path:
