@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Error, Message
+from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
 from ciders.algorithms import ciders as alg
@@ -18,7 +19,7 @@ from ciders.core.wire import PayloadError, encode
 from ciders.engines.flower import messages as fm
 from ciders.engines.flower.strategy import CidersStrategy
 from ciders.engines.local import Faults, RunDir, run_federation
-from ciders.engines.rounds import Coordinator, client_round
+from ciders.engines.rounds import Coordinator, client_round, load_personalized_from
 from ciders.engines.synthetic import VectorTask
 
 VEC = ["federation.clients=5", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",
@@ -34,50 +35,82 @@ def task_identity():
 
 
 class InProcessGrid:
-    """Nodes 100+i host clients c000i; `tamper[(round, cid)]` rewrites that client's train reply."""
+    """Nodes 100+i host clients c000i; `tamper[(round, cid)]` rewrites that client's train reply;
+    `vanish[(round, cid)] = new_node` makes that client's node unavailable at the round's report (Flower's
+    NODE_UNAVAILABLE error) and brings it back as `new_node` (None: never)."""
 
-    def __init__(self, cfg, task, root, tamper=None):
+    def __init__(self, cfg, task, root, tamper=None, vanish=None):
         self.cfg, self.task, self.root, self.tamper = cfg, task, root, tamper or {}
+        self.vanish = dict(vanish or {})
         self.nodes = {100 + i: cid for i, cid in enumerate(task.ids)}
         self.stores = {cid: RoundStore(root / cid, -1) for cid in task.ids}
+        self.replies, self.ids = {}, 0
 
     def get_node_ids(self):
         return list(self.nodes)
 
     def send_and_receive(self, messages, *, timeout=None):
+        return list(self.pull_messages(list(self.push_messages(messages))))
+
+    def push_messages(self, messages):
         out = []
         for m in messages:
-            cid = self.nodes[m.metadata.dst_node_id]
-            f = fm.fields_of(m.content)
-            if f["kind"] == "hello":
-                out.append(Message(fm.pack({"client_id": cid}), reply_to=m))
-            elif f["kind"] == "train":
-                store = self.stores[cid]
-                store.recover(f["committed"])
-                store.commit(f["committed"])
-                up, rec = client_round(self.cfg, self.task, store, cid, self.task.clients()[cid],
-                                       fm.payload_of(m.content), {})
-                rep = Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=m)
-                fix = self.tamper.get((f["round"], cid))
-                out.append(fix(m, up, rec) if fix else rep)
-            else:  # report
-                rec = RoundStore(self.root / cid, f["committed"]).get(cid)
-                pers = alg.client_from_record(*rec).personalized
-                out.append(Message(fm.pack({"client_id": cid}, encode({"personalized": pers}, {"client_id": cid})[0]),
-                                   reply_to=m))
+            self.ids += 1
+            m.metadata.__dict__["_message_id"] = mid = f"m{self.ids}"
+            self.replies[mid] = self.answer(m)
+            out.append(mid)
         return out
 
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(mid) for mid in message_ids if mid in self.replies]
 
-def flower_run(tmp_path, tamper=None):
-    cfg = load_config(None, VEC)
-    task = VectorTask(5)
+    def answer(self, m):
+        cid = self.nodes[m.metadata.dst_node_id]
+        f = fm.fields_of(m.content)
+        if f["kind"] == "hello":
+            return Message(fm.pack({"client_id": cid}), reply_to=m)
+        if f["kind"] == "train":
+            store = self.stores[cid]
+            store.recover(f["committed"])
+            store.commit(f["committed"])
+            up, rec = client_round(self.cfg, self.task, store, cid, self.task.clients()[cid],
+                                   fm.payload_of(m.content), {})
+            rep = Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=m)
+            fix = self.tamper.get((f["round"], cid))
+            return fix(m, up, rec) if fix else rep
+        if (f["round"], cid) in self.vanish:  # report: the node is gone (and maybe back under a new id)
+            del self.nodes[m.metadata.dst_node_id]
+            if (back := self.vanish.pop((f["round"], cid))) is not None:
+                self.nodes[back] = cid
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node unavailable"), reply_to=m)
+        rec = RoundStore(self.root / cid, f["committed"]).get(cid)
+        pers = alg.client_from_record(*rec).personalized
+        return Message(fm.pack({"client_id": cid}, encode({"personalized": pers}, {"client_id": cid})[0]),
+                       reply_to=m)
+
+
+class SeenTask(VectorTask):
+    """VectorTask that notes whose personalized messengers each round's evaluation got."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.seen = {}
+
+    def evaluate(self, t, server, personalized):
+        self.seen[t] = sorted(personalized)
+        return super().evaluate(t, server, personalized)
+
+
+def flower_run(tmp_path, tamper=None, vanish=None, over=()):
+    cfg = load_config(None, VEC + list(over))
+    task = SeenTask(5)
     logs = []
     co = Coordinator(cfg, task, tmp_path / "run", log=logs.append, engine="flower")
     strategy = CidersStrategy(co, dump_yaml(co.cfg), log=logs.append)
-    strategy.start(InProcessGrid(co.cfg, task, tmp_path / "nodes", tamper), ArrayRecord(), num_rounds=2,
+    strategy.start(InProcessGrid(co.cfg, task, tmp_path / "nodes", tamper, vanish), ArrayRecord(), num_rounds=2,
                    evaluate_fn=strategy.evaluate_fn)
     co.close()
-    return tmp_path / "run", logs
+    return tmp_path / "run", logs, task.seen
 
 
 def server_state(out):
@@ -86,10 +119,30 @@ def server_state(out):
 
 
 def test_strategy_round_loop_equals_the_in_process_engine(tmp_path):
-    out, _ = flower_run(tmp_path)
+    out, _, _ = flower_run(tmp_path)
     cfg = load_config(None, VEC)
     run_federation(cfg, VectorTask(5), tmp_path / "local", progress=False, log=lambda s: None)
     assert (out / "metrics.jsonl").read_text() == (tmp_path / "local" / "metrics.jsonl").read_text()
+
+
+def test_a_client_whose_node_rejoins_during_the_evaluation_is_asked_again(tmp_path):
+    """c0002's node is unavailable when round 0's report is asked for and comes back as node 300 (a
+    SuperNode killed after training, restarted with its state directory): the evaluation waits for it
+    and equals the in-process run's."""
+    out, logs, seen = flower_run(tmp_path, vanish={(0, "c0002"): 300})
+    run_federation(load_config(None, VEC), VectorTask(5), tmp_path / "local", progress=False, log=lambda s: None)
+    assert (out / "metrics.jsonl").read_text() == (tmp_path / "local" / "metrics.jsonl").read_text()
+    assert any("c0002's node is unavailable" in line for line in logs) and len(seen[0]) == 5
+
+
+def test_a_client_whose_node_never_returns_is_evaluated_without_after_the_timeout(tmp_path):
+    """c0002's node is gone at round 0's report and never comes back: after flower.eval_timeout_s the
+    round is evaluated over the other four personalized messengers, and round 1 goes on without it."""
+    out, logs, seen = flower_run(tmp_path, vanish={(0, "c0002"): None}, over=["flower.eval_timeout_s=1.5"])
+    assert seen[0] == ["c0000", "c0001", "c0003", "c0004"] == seen[1]
+    assert any("without the personalized messengers of c0002" in line for line in logs)
+    server = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "server"]
+    assert "c0002" not in server[1]["accepted"]  # its node is gone for good
 
 
 def _with_payload(payload: bytes):
@@ -123,7 +176,7 @@ def test_bad_replies_are_rejected_logged_and_change_nothing(tmp_path):
 
     tamper = {(0, "c0001"): wrong_dtype, (0, "c0002"): nan, (0, "c0003"): impostor, (0, "c0004"): crashed,
               (1, "c0000"): not_bytes}
-    out, logs = flower_run(tmp_path, tamper)
+    out, logs, _ = flower_run(tmp_path, tamper)
     server = {r["round"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if r["event"] == "server"}
     rej0, rej1 = server[0]["rejected"], server[1]["rejected"]

@@ -15,7 +15,8 @@ Flower round r (1-based) is ciders round t = first + r - 1 (a resumed run starts
                      drops them), so p_i is renormalised over the uploads that arrived.
   evaluate_fn        (called by Strategy.start after each round) when the round evaluates, a `report`
                      request (message type evaluate) to the nodes of the clients whose personalized
-                     messengers the evaluation reads, waiting up to `flower.eval_timeout_s` (evaluation
+                     messengers the evaluation reads, waiting up to `flower.eval_timeout_s` and asking
+                     again a client whose node dropped out once it has rejoined (evaluation
                      traffic, not counted in the training bytes, as in-process where the engine reads
                      them from the client store); then Coordinator.finish: evaluate, log, checkpoint,
                      commit. (Strategy.start's own evaluate phase is unused: it shares the train timeout.)
@@ -27,6 +28,7 @@ import time
 from typing import Callable, Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -52,7 +54,7 @@ class CidersStrategy(Strategy):
         self.log(f"CidersStrategy: {algorithms.method_name(self.co.cfg)}, rounds {self.first}..{self.co.cfg.federation.rounds - 1}")
 
     # ------------------------------------------------------------------ nodes -> clients
-    def _discover(self, grid: Grid, grace: float) -> None:
+    def _discover(self, grid: Grid, grace: float, quiet: bool = False) -> None:
         """Map node ids to client ids: a `hello` query to every connected node not mapped yet, repeated
         for up to `grace` seconds while some client has no node."""
         deadline = time.monotonic() + grace
@@ -67,7 +69,7 @@ class CidersStrategy(Strategy):
             if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(2.0)
-        if missing:
+        if missing and not quiet:
             self.log(f"no SuperNode for {', '.join(missing)}")
 
     def _hello(self, grid: Grid, nodes: list[int]) -> None:
@@ -150,36 +152,58 @@ class CidersStrategy(Strategy):
         return None
 
     def _collect_personalized(self, t: int) -> dict:
+        """The personalized messengers of `Coordinator.eval_clients(t)`, waiting up to
+        `flower.eval_timeout_s`. A client whose node is unreachable (Flower answers NODE_UNAVAILABLE once
+        the killed node's heartbeat lapses) is asked again when its SuperNode comes back under a new or
+        the same node id, so a client restarted during the round is evaluated as in-process. Clients with no
+        node when the evaluation starts are not waited for."""
         from ciders.core.wire import decode
 
-        grid = self.grid
+        grid, wanted = self.grid, self.co.eval_clients(t)
+        deadline = time.monotonic() + self.fcfg.eval_timeout_s
+        fields = {"kind": "report", "round": t, "committed": self.co.committed, "config": self.config_text}
+        pending: dict[str, tuple[str, int]] = {}  # message id -> (client id, node id asked)
+        out: dict[str, dict] = {}
+        done: set[str] = set()  # answered: with a messenger, without one, or with a rejected report
         self._discover(grid, 0.0)  # a node restarted during training gets its new node id mapped
-        msgs = []
-        for cid in self.co.eval_clients(t):
-            node = self.node_of.get(cid)
-            if node is not None:
-                fields = {"kind": "report", "round": t, "committed": self.co.committed, "config": self.config_text}
-                msgs.append(Message(fm.pack(fields), dst_node_id=node, message_type="evaluate"))
-        out = {}
-        for rep in grid.send_and_receive(msgs, timeout=self.fcfg.eval_timeout_s) if msgs else []:
-            node = rep.metadata.src_node_id
-            cid = self.asked.get(node)
-            if rep.has_error() or cid is None:
-                self.log(f"round {t}: no personalized messenger from node {node}")
-                continue
-            try:
-                comps, meta = decode(fm.payload_of(rep.content), {"personalized": self.co.ref})
-                if meta.get("client_id") != cid:
-                    raise PayloadError(f"report claims to be from {meta.get('client_id')!r}")
-            except PayloadError as exc:
-                self.log(f"round {t}: rejected report from {cid}: {exc}")
-                continue
-            if "personalized" in comps:
-                out[cid] = comps["personalized"]
-        missing = sorted(set(self.co.eval_clients(t)) - set(out))
+        expect = [c for c in wanted if c in self.node_of]  # clients without a node now are not waited for
+        while True:
+            asking = {c for c, _ in pending.values()}
+            new = [(c, self.node_of[c]) for c in wanted if c not in done and c not in asking and c in self.node_of]
+            msgs = [Message(fm.pack(fields), dst_node_id=n, message_type="evaluate") for _, n in new]
+            pending.update((mid, asked) for mid, asked in zip(grid.push_messages(msgs) if msgs else [], new) if mid)
+            for rep in grid.pull_messages(list(pending)) if pending else []:
+                cid, node = pending.pop(rep.metadata.reply_to_message_id, (None, None))
+                if cid is None:
+                    continue
+                if rep.has_error() and rep.error.code == ErrorCode.NODE_UNAVAILABLE:
+                    self.log(f"round {t}: {cid}'s node is unavailable; asking again if it rejoins in time")
+                    if self.node_of.get(cid) == node:  # forget it; _discover maps its successor
+                        self.asked.pop(self.node_of.pop(cid), None)
+                    continue
+                done.add(cid)
+                if rep.has_error():
+                    self.log(f"round {t}: no personalized messenger from {cid} ({rep.error.reason})")
+                elif (got := self._read_report(t, cid, rep, decode)) is not None:
+                    out[cid] = got
+            if all(c in done for c in expect) or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+            self._discover(grid, 0.0, quiet=True)
+        missing = sorted(set(wanted) - set(out))
         if missing:
             self.log(f"round {t}: evaluating without the personalized messengers of {', '.join(missing)}")
         return out
+
+    def _read_report(self, t: int, cid: str, rep: Message, decode) -> dict | None:
+        try:
+            comps, meta = decode(fm.payload_of(rep.content), {"personalized": self.co.ref})
+            if meta.get("client_id") != cid:
+                raise PayloadError(f"report claims to be from {meta.get('client_id')!r}")
+        except PayloadError as exc:
+            self.log(f"round {t}: rejected report from {cid}: {exc}")
+            return None
+        return comps.get("personalized")
 
     def evaluate_fn(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0:  # the pre-round evaluation happened when the run was set up
