@@ -49,7 +49,7 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
 
     exp = load_config(a.config, a.set or [], cls=BilevelExperiment)
     out = Path(a.out) if a.out else Path("runs") / exp.name
-    run_experiment(exp, out, [m.strip() for m in a.methods.split(",") if m.strip()])
+    run_experiment(exp, out, [m.strip() for m in a.methods.split(",") if m.strip()], engine=a.engine)
     print((out / "bilevel.md").read_text())
     print(f"output directory: {out}")
     return 0
@@ -275,6 +275,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bilevel", help="RABO / RAFBO / FedMBO on a bilevel task (few-shot Omniglot, loss tuning)")
     _experiment_args(p, "bilevel experiment YAML (configs/cpu/rabo_*.yaml)", "output directory (default runs/<name>)")
     p.add_argument("--methods", default="rabo,rafbo,fedmbo", help="comma-separated: rabo, rafbo, fedmbo")
+    p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
+                   help="local: this process; flower-sim: Flower's simulation runtime (Ray), the same numbers")
     p.set_defaults(fn=_cmd_bilevel)
 
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")

@@ -1,7 +1,8 @@
 """The typed config of a RABO-family experiment (SPEC 2): one YAML file, `ciders bilevel CONFIG`.
 
 Sections: task (few-shot Omniglot or loss tuning on long-tailed CIFAR-10), federation (clients, their
-capacities, rounds), rabo (the algorithm: `ciders.algorithms.rabo.RaboConfig`). Same machinery as the
+capacities, rounds), rabo (the algorithm: `ciders.algorithms.rabo.RaboConfig`), flower (timeouts and
+resources of the Flower engine, as in the CIDERS config). Same machinery as the
 CIDERS config: defaults with help, unknown keys rejected, `--set section.key=value` overrides.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ciders.algorithms.rabo import RaboConfig
-from ciders.config import opt, section, validate_sections
+from ciders.config import FlowerConfig, opt, section, validate_sections
 from ciders.errors import ConfigError
+
+BACKBONES = ("conv4", "resnet12")
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,9 @@ class BilevelTaskConfig:
     n_way: int = opt(5, "fewshot: N classes per episode")
     k_shot: int = opt(1, "fewshot: K support drawings per class (the inner data)")
     q_query: int = opt(5, "fewshot: query drawings per class (the outer data)")
-    width: int = opt(32, "fewshot: Conv4 channels; losstune: hidden units of the classifier")
+    backbone: str = opt("conv4", "fewshot: conv4 | resnet12 (the paper's; widths from task.width: w, 2.5w, 5w, 10w)")
+    width: int = opt(32, "fewshot: Conv4 channels (ResNet12: the first block's); losstune: hidden units of the "
+                         "classifier")
     reg: float = opt(0.05, "L2 weight on y in the inner loss (strong convexity)")
     eval_episodes: int = opt(100, "fewshot: held-out episodes for accuracy and its 95% CI")
     eval_steps: int = opt(20, "fewshot: head-fitting steps on each held-out episode's support")
@@ -32,6 +37,8 @@ class BilevelTaskConfig:
     def validate(self) -> None:
         if self.kind not in ("fewshot", "losstune"):
             raise ConfigError(f"task.kind: must be fewshot or losstune, got {self.kind!r}")
+        if self.backbone not in BACKBONES:
+            raise ConfigError(f"task.backbone: must be one of {' | '.join(BACKBONES)}, got {self.backbone!r}")
         for k in ("n_way", "k_shot", "q_query", "width", "eval_episodes", "eval_steps", "n_max", "val_per_class"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"task.{k}: must be >= 1, got {getattr(self, k)}")
@@ -67,6 +74,8 @@ class BilevelExperiment:
     task: BilevelTaskConfig = section(BilevelTaskConfig, "the bilevel task and its data")
     federation: BilevelFederationConfig = section(BilevelFederationConfig, "clients, capacities, rounds")
     rabo: RaboConfig = section(RaboConfig, "RABO / RAFBO / FedMBO (ciders.algorithms.rabo)")
+    flower: FlowerConfig = section(FlowerConfig, "Flower engine settings (`ciders bilevel --engine flower-sim`, "
+                                                 "`ciders flower ...`)")
 
     def validate(self) -> "BilevelExperiment":
         validate_sections(self)

@@ -14,7 +14,7 @@ def model():
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 0.25, 0.125, 1 / 16])
-@pytest.mark.parametrize("rule", ["importance", "static", "rolling"])
+@pytest.mark.parametrize("rule", ["importance", "static", "rolling", "oap"])
 def test_masks_keep_whole_units_at_the_capacity(ratio, rule):
     p = model()
     m = mk.structured_masks(p, ratio, rule, round_=3, groups={"bn.weight": "conv"}, keep_full=["fc"])
@@ -63,3 +63,90 @@ def test_magnitude_rule_keeps_the_largest_entries_of_each_tensor():
     m = mk.structured_masks(p, 0.5, "magnitude", keep_full=["head"])
     assert m["fc.weight"].tolist() == [[0.0, 1.0], [1.0, 0.0]] and m["fc.bias"].tolist() == [1.0, 0.0]
     assert m["head.weight"].tolist() == [[1.0, 1.0]]
+
+
+PAPER_CAPS = [(1.0, 0.5, 0.25, 0.125, 1 / 16)[i % 5] for i in range(10)]  # 10 clients, R[i mod 5] (config default)
+
+
+def oap_counts(w, caps, round_):
+    """How many clients keep each unit of `w` under oap, and each client's kept units."""
+    kept = [mk.kept_units(w, r, "oap", round_, client=i, capacities=caps) for i, r in enumerate(caps)]
+    count = torch.zeros(w.shape[0], dtype=torch.long)
+    for u in kept:
+        count[u] += 1
+    return count, kept
+
+
+@pytest.mark.parametrize("caps", [PAPER_CAPS, [0.5, 0.25, 0.125, 1 / 16] * 2 + [0.25, 0.125]])
+@pytest.mark.parametrize("n", [3, 8, 10, 37, 64])
+def test_oap_capacity_and_optimal_coverage_every_round(caps, n):
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 5, generator=g)
+    rank = torch.empty(n, dtype=torch.long)
+    rank[torch.argsort(-w.abs().sum(1), stable=True)] = torch.arange(n)  # 0 = largest L1 norm
+    ks = [max(1, round(r * n)) for r in caps]
+    total = sum(ks)
+    for q in range(12):
+        count, kept = oap_counts(w, caps, q)
+        for u, k in zip(kept, ks):
+            assert len(u) == k and len(set(u.tolist())) == k  # exactly k = max(1, round(R*out)) distinct units
+        assert int(count.min()) >= 1  # every unit trained by some client in every round
+        # coverage of the unit of rank p: floor(L/n), plus one for the L mod n highest-norm units
+        assert torch.equal(count, total // n + (rank < total % n).long())
+
+
+def test_oap_beats_importance_on_coverage_without_a_full_client():
+    caps = [0.5, 0.25, 0.25, 0.125, 0.125, 1 / 16, 1 / 16, 1 / 16, 1 / 16]  # sum 1.5: coverage is possible
+    w = torch.randn(16, 4, generator=torch.Generator().manual_seed(3))
+    count, _ = oap_counts(w, caps, round_=5)
+    assert int(count.min()) == 1 and int(count.max()) == 2  # 24 slots over 16 units
+    imp = torch.zeros(16, dtype=torch.long)
+    for r in caps:
+        imp[mk.kept_units(w, r, "importance")] += 1
+    assert int((imp == 0).sum()) == 8  # the importance rule never trains the lower half
+
+
+def test_oap_by_hand():
+    w = torch.tensor([[1.0, 1.0], [5.0, 0.0], [0.0, 0.5], [3.0, 3.0]])  # L1 2, 5, .5, 6: ranking 3, 1, 0, 2
+    caps = [0.5, 0.5, 0.25]  # k = 2, 2, 1: tape 3 1 | 0 2 | 3
+    got = [mk.kept_units(w, r, "oap", 0, client=i, capacities=caps).tolist() for i, r in enumerate(caps)]
+    assert got == [[1, 3], [0, 2], [3]]
+    # round 1: clients in the order 1, 2, 0: tape 3 1 | 0 | 2 3
+    got = [mk.kept_units(w, r, "oap", 1, client=i, capacities=caps).tolist() for i, r in enumerate(caps)]
+    assert got == [[2, 3], [1, 3], [0]]
+
+
+def test_oap_is_deterministic_rotates_the_top_window_and_defaults_to_importance():
+    w = torch.randn(20, 6, generator=torch.Generator().manual_seed(7))
+    for q in (0, 3, 11):
+        for i, r in enumerate(PAPER_CAPS):
+            a = mk.kept_units(w, r, "oap", q, client=i, capacities=PAPER_CAPS)
+            b = mk.kept_units(w.clone(), r, "oap", q, client=i, capacities=list(PAPER_CAPS))
+            assert torch.equal(a, b)
+    for i, r in enumerate(PAPER_CAPS):  # client i heads the tape in round i: it gets the top-k units
+        assert torch.equal(mk.kept_units(w, r, "oap", i, client=i, capacities=PAPER_CAPS),
+                           mk.kept_units(w, r, "importance"))
+    for r in (0.5, 0.25, 1 / 16):  # one client (the default): oap is the importance rule
+        assert torch.equal(mk.kept_units(w, r, "oap", 4), mk.kept_units(w, r, "importance"))
+    # n_clients alone: equal capacities; 4 clients x k=5 tile the 20 units exactly once
+    count = torch.zeros(20, dtype=torch.long)
+    for i in range(4):
+        count[mk.kept_units(w, 0.25, "oap", 2, client=i, n_clients=4)] += 1
+    assert bool((count == 1).all())
+    with pytest.raises(ValueError, match="ratio"):
+        mk.kept_units(w, 0.5, "oap", client=2, capacities=PAPER_CAPS)  # client 2's capacity is 0.25
+    with pytest.raises(ValueError, match="client"):
+        mk.kept_units(w, 0.5, "oap", client=10, capacities=PAPER_CAPS)
+
+
+def test_oap_structured_masks_cover_every_coordinate():
+    p = model()
+    kw = {"groups": {"bn.weight": "conv"}, "keep_full": ["fc"], "capacities": PAPER_CAPS}
+    for q in range(3):
+        masks = [mk.structured_masks(p, r, "oap", round_=q, client=i, **kw) for i, r in enumerate(PAPER_CAPS)]
+        _, stats = mk.apply_coordinate_step(p, [p] * 10, masks, lr=0.1)
+        # conv: 8 units, k = 8, 4, 2, 1, 1 twice = 32 slots -> every channel by exactly 4 clients
+        assert stats["covering"] == 4 and stats["coordinates_trained"] == stats["coordinates"]
+    imp = [mk.structured_masks(p, r, "importance", **{k: v for k, v in kw.items() if k != "capacities"})
+           for r in PAPER_CAPS]
+    assert mk.apply_coordinate_step(p, [p] * 10, imp, lr=0.1)[1]["covering"] == 2  # only the two full clients

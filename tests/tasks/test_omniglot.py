@@ -67,7 +67,10 @@ def test_rabo_round_on_omniglot_with_conv4():
 def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     """Two rounds of RABO and of FedMBO on real Omniglot through the bilevel loop: per-round covering
     numbers, and the sub-model clients cost fewer bytes and fewer gradient calls than FedMBO's."""
+    from dataclasses import replace
+
     from ciders.algorithms import fedmbo
+    from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
     from ciders.engines.bilevel import run_bilevel
     from ciders.engines.bilevel_tasks import FewShotTask
     from ciders.fileio import read_jsonl
@@ -80,10 +83,11 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     res = {}
     for name, c in (("rabo", cfg), ("fedmbo", fedmbo.configure(cfg))):
         task = FewShotTask(pool, caps, width=16, eval_pool=ev, eval_episodes=5, eval_steps=5)
-        res[name] = run_bilevel(c, task, 2, tmp_path / name, log=lambda s: None)
+        exp = replace(BilevelExperiment(), rabo=c, federation=BilevelFederationConfig(clients=3, rounds=2))
+        res[name] = run_bilevel(exp, task, tmp_path / name, log=lambda s: None)
         rows = read_jsonl(tmp_path / name / "metrics.jsonl")
         rounds = [r for r in rows if r["event"] == "round"]
-        assert len(rounds) == 2 and len([r for r in rows if r["event"] == "client"]) == 6
+        assert len(rounds) == 2 and len([r for r in rows if r["event"] == "client"]) == 12  # 2 phases
         assert 0 <= rows[-1]["accuracy"] <= 1 and rows[-1]["episodes"] == 5
     rabo_rounds = [r for r in read_jsonl(tmp_path / "rabo" / "metrics.jsonl") if r["event"] == "round"]
     assert all(r["covering_x"] == 1 for r in rabo_rounds)

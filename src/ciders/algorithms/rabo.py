@@ -35,7 +35,7 @@ BiLoss = Callable[[State, State, object], torch.Tensor]  # (x, y, batch) -> scal
 class RaboConfig:
     method: str = opt("rabo", "rabo | rafbo (second-order free) | fedmbo (every mask full)")
     mask_rule: str = opt("importance", "sub-model extraction: importance | static (HeteroFL) | rolling (FedRolex) | "
-                                       "magnitude (FIARSE) | full")
+                                       "magnitude (FIARSE) | oap (coverage-aware, after Zhou et al.) | full")
     mask_target: str = opt("both", "both | y (hyperparameter tasks: every client needs all of x)")
     mask_norm: str = opt("l1", "importance score of a unit: l1 | l2 norm of its weights")
     keep_full: tuple[str, ...] = opt((), "layers never pruned (e.g. head: outputs are the classes)")
@@ -83,12 +83,14 @@ def init_state(x: State, y: State) -> BilevelState:
     return BilevelState(0, clone(x), clone(y))
 
 
-def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, groups: dict[str, str] | None = None
-                 ) -> ClientMasks:
+def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, groups: dict[str, str] | None = None,
+                 client: int = 0, capacities: Sequence[float] | None = None) -> ClientMasks:
     """m_x = M(x_q, R_i), m_y = M(y_q, R_i) from the current global weights (recomputed every round);
-    `groups` puts parameters into layers (e.g. `models.vision.conv4_groups()`: a BN follows its conv)."""
+    `groups` puts parameters into layers (e.g. `models.vision.conv4_groups()`: a BN follows its conv).
+    `client` and `capacities` (this round's clients in order) are read by the coverage-aware OAP rule."""
     rule = "full" if cfg.method == "fedmbo" else cfg.mask_rule
-    kw = {"round_": state.round, "norm": cfg.mask_norm, "keep_full": cfg.keep_full, "groups": groups}
+    kw = {"round_": state.round, "norm": cfg.mask_norm, "keep_full": cfg.keep_full, "groups": groups,
+          "client": client, "capacities": capacities}
     mx = mk.structured_masks(state.x, capacity, "full" if cfg.mask_target == "y" else rule, **kw)
     my = mk.structured_masks(state.y, capacity, rule, **kw)
     return ClientMasks(mx, my, capacity)

@@ -13,6 +13,20 @@ keeps k = max(1, round(R * out)) units. Extraction rules:
   magnitude   unstructured: the R fraction of each tensor's entries with the largest |w| (the
               importance-aware extraction of FIARSE, Wu et al., NeurIPS 2024; its threshold-controlled
               biased gradient descent is not implemented)
+  oap         coverage-first importance extraction, the joint mask design advocated by OAP (Zhou, Lan,
+              Venkataramani, Ding, "Every parameter matters: ensuring the convergence of federated learning
+              with dynamic heterogeneous models reduction", NeurIPS 2023, arXiv 2310.08670): convergence is
+              set by the minimum coverage index (every unit trained by >= 1 client each round) together with
+              the model-reduction noise. Units are ranked by the norm of the current global weights (as
+              `importance`); the clients' k_j, in the order client (round + j) mod N, take consecutive windows
+              of a tape that repeats the ranking, so unit of rank p is kept by floor(L/n) + [p < L mod n] of
+              them (L = sum_j k_j): the largest possible minimum coverage (every unit is covered whenever
+              L >= n), the surplus going to the highest-norm units, and the top-k window rotating over the
+              clients round by round. Needs the client index and every client's capacity (`client`,
+              `capacities`; `n_clients` alone assumes they all have this ratio; one client reduces it to
+              `importance`). Zhou et al. prove convergence for arbitrary per-round masks with coverage >= 1
+              and advocate designing masks for both factors, but prescribe no construction: this tape is our
+              deterministic instance of that advice, not the masks of their experiments.
 Layers named in `keep_full` (e.g. a classifier whose outputs are the classes) are never pruned.
 
 Aggregation: coordinate k of the server state moves by the mean over the clients that trained it,
@@ -28,7 +42,7 @@ import torch
 
 from ciders.core.tensors import State
 
-RULES = ("importance", "static", "rolling", "full", "magnitude")
+RULES = ("importance", "static", "rolling", "full", "magnitude", "oap")
 
 
 def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] | None = None) -> dict[str, list[str]]:
@@ -40,8 +54,10 @@ def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] |
     return out
 
 
-def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, norm: str = "l1") -> torch.Tensor:
-    """Sorted indices of the output units (dim 0) a layer keeps."""
+def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, norm: str = "l1", *,
+               client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None) -> torch.Tensor:
+    """Sorted indices of the output units (dim 0) a layer keeps. `client`, `n_clients`, `capacities` (every
+    client's ratio, `capacities[client] == ratio`) are read by the `oap` rule only."""
     if rule not in RULES:
         raise ValueError(f"mask rule must be one of {', '.join(RULES)}, got {rule!r}")
     if not 0 < ratio <= 1:
@@ -58,13 +74,40 @@ def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, n
     score = w.abs().sum(1) if norm == "l1" else w.pow(2).sum(1)
     # stable ordering: ties go to the lower index, so every party computes the same mask
     order = torch.argsort(-score, stable=True)
+    if rule == "oap":
+        return torch.sort(order[_oap_positions(n, ratio, round_, client, n_clients, capacities)]).values
     return torch.sort(order[:k]).values
+
+
+def _oap_positions(n: int, ratio: float, round_: int, client: int, n_clients: int,
+                   capacities: Sequence[float] | None) -> torch.Tensor:
+    """Ranks (0 = largest norm) client `client` keeps: its window on the tape of the clients' k_j laid end to
+    end, in the order (round_ + j) mod N, over the ranking repeated."""
+    caps = [ratio] * n_clients if capacities is None else [float(c) for c in capacities]
+    if not caps:
+        raise ValueError("oap needs at least one client")
+    if any(not 0 < c <= 1 for c in caps):
+        raise ValueError(f"capacity ratios must be in (0, 1], got {caps}")
+    if not 0 <= client < len(caps):
+        raise ValueError(f"client must be in [0, {len(caps)}), got {client}")
+    if abs(caps[client] - ratio) > 1e-12:
+        raise ValueError(f"capacities[{client}] = {caps[client]}, but this client's ratio is {ratio}")
+    ks = [max(1, round(c * n)) for c in caps]
+    start = 0
+    for j in range(len(caps)):
+        c = (round_ + j) % len(caps)
+        if c == client:
+            break
+        start += ks[c]
+    return (start + torch.arange(ks[client])) % n
 
 
 def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str = "importance", *,
                      round_: int = 0, norm: str = "l1", groups: Mapping[str, str] | None = None,
-                     keep_full: Sequence[str] = ()) -> State:
-    """0/1 masks (the parameters' dtype and shape) keeping fraction `ratio` of every layer's outputs."""
+                     keep_full: Sequence[str] = (), client: int = 0, n_clients: int = 1,
+                     capacities: Sequence[float] | None = None) -> State:
+    """0/1 masks (the parameters' dtype and shape) keeping fraction `ratio` of every layer's outputs.
+    `client`, `n_clients`, `capacities`: see `kept_units` (the `oap` rule)."""
     masks: State = {}
     if rule == "magnitude":
         return {n: _magnitude_mask(p, ratio) if not any(n.startswith(k + ".") or n == k for k in keep_full)
@@ -75,7 +118,8 @@ def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str
             for n in names:
                 masks[n] = torch.ones_like(params[n])
             continue
-        keep = kept_units(params[lead], ratio, rule, round_, norm)
+        keep = kept_units(params[lead], ratio, rule, round_, norm, client=client, n_clients=n_clients,
+                          capacities=capacities)
         units = params[lead].shape[0]
         for n in names:
             p = params[n]

@@ -8,15 +8,22 @@ import torch
 from ciders.core.hypergrad import grads
 
 
+def resnet12_widths(w: int) -> tuple[int, int, int, int]:
+    """ResNet12 block widths from task.width w: (w, round(2.5 w), 5 w, 10 w); 64 -> (64, 160, 320, 640)."""
+    return (w, max(1, round(2.5 * w)), 5 * w, 10 * w)
+
+
 class FewShotTask:
-    """Few-shot hyper-representation (SPEC 2, task 1): x = Conv4 features, y = a linear head; the inner
-    loss is support cross-entropy + (reg / 2)|y|^2 (strongly convex in y), the outer one query
-    cross-entropy. Clients hold disjoint shards of characters; evaluation fits a fresh head on each
-    held-out episode's support (`eval_steps` gradient steps) and reports query accuracy with a 95% CI."""
+    """Few-shot hyper-representation (SPEC 2, task 1): x = the backbone's features (`backbone`: conv4 of
+    `width` channels, or resnet12 of widths (w, round(2.5 w), 5 w, 10 w), the paper's (64, 160, 320, 640)
+    at width 64), y = a linear head; the inner loss is support cross-entropy + (reg / 2)|y|^2 (strongly
+    convex in y), the outer one query cross-entropy. Clients hold disjoint shards of characters;
+    evaluation fits a fresh head on each held-out episode's support (`eval_steps` gradient steps) and
+    reports query accuracy with a 95% CI."""
 
     def __init__(self, pool: dict, capacities: list[float], n_way: int = 5, k_shot: int = 1, q_query: int = 5,
                  width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
-                 eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5):
+                 eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4"):
         from ciders.tasks import omniglot as om
 
         self.om, self.pool, self.caps = om, pool, capacities
@@ -26,6 +33,10 @@ class FewShotTask:
         self.eval_episodes, self.eval_steps, self.eval_lr = eval_episodes, eval_steps, eval_lr
         self._episodes: dict = {}
         self._round = -1
+        if backbone not in ("conv4", "resnet12"):
+            raise ValueError(f"backbone must be conv4 or resnet12, got {backbone!r}")
+        self.backbone = backbone
+        self.widths = (width,) * 4 if backbone == "conv4" else resnet12_widths(width)
 
     def clients(self) -> list[float]:
         return list(self.caps)
@@ -33,12 +44,21 @@ class FewShotTask:
     def initial(self):
         from ciders.models import vision as vz
 
-        return vz.conv4_init(width=self.width, seed=self.seed), vz.linear_init(self.n_way, self.width)
+        if self.backbone == "resnet12":
+            x = vz.resnet12_init(widths=self.widths, seed=self.seed)
+        else:
+            x = vz.conv4_init(width=self.width, seed=self.seed)
+        return x, vz.linear_init(self.n_way, self.widths[-1])
 
     def groups(self) -> dict:
         from ciders.models import vision as vz
 
-        return vz.conv4_groups()
+        return vz.resnet12_groups() if self.backbone == "resnet12" else vz.conv4_groups()
+
+    def features(self, x, images):
+        from ciders.models import vision as vz
+
+        return (vz.resnet12_features if self.backbone == "resnet12" else vz.conv4_features)(x, images)
 
     def _episode(self, i: int, q: int):
         """Client i's episode of round q (its support is the inner data, its query the outer data)."""
@@ -60,7 +80,7 @@ class FewShotTask:
 
         from ciders.models import vision as vz
 
-        return F.cross_entropy(vz.linear(y, vz.conv4_features(x, ep.support)), ep.support_labels) + \
+        return F.cross_entropy(vz.linear(y, self.features(x, ep.support)), ep.support_labels) + \
             0.5 * self.reg * sum((v ** 2).sum() for v in y.values())
 
     def f(self, x, y, ep):
@@ -68,7 +88,7 @@ class FewShotTask:
 
         from ciders.models import vision as vz
 
-        return F.cross_entropy(vz.linear(y, vz.conv4_features(x, ep.query)), ep.query_labels)
+        return F.cross_entropy(vz.linear(y, self.features(x, ep.query)), ep.query_labels)
 
     def evaluate(self, x, y) -> dict:
         from ciders.models import vision as vz
@@ -79,7 +99,7 @@ class FewShotTask:
         for _ in range(self.eval_episodes):
             ep = self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen)
             with torch.no_grad():
-                fs, fq = vz.conv4_features(x, ep.support), vz.conv4_features(x, ep.query)
+                fs, fq = self.features(x, ep.support), self.features(x, ep.query)
             head = {k: torch.zeros_like(v) for k, v in vz.linear_init(self.n_way, fs.shape[1]).items()}
             for _ in range(self.eval_steps):
                 _, gh = grads(lambda a, b: torch.nn.functional.cross_entropy(vz.linear(b, fs), ep.support_labels),
@@ -166,7 +186,7 @@ def build(cfg):
         held = om.load_characters(root / "images_background_small2.zip")
         held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
         return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
-                           eval_episodes=t.eval_episodes, eval_steps=t.eval_steps)
+                           eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone)
     from ciders.tasks import longtail as lt
 
     xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")

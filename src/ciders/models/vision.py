@@ -5,6 +5,28 @@ Conv4 (Vinyals et al., 2016; the few-shot standard): 4 blocks of conv3x3(64) -> 
 statistics, affine) -> ReLU -> maxpool 2; a 28x28 input gives a 64-d feature. Parameters are named
 `block<i>.conv.weight|bias` and `block<i>.bn.weight|bias`; `conv4_groups()` puts each BN in its conv's
 layer so structured masks drop whole channels consistently.
+
+ResNet12 (the few-shot standard of Lee et al., 2019, MetaOptNet, and Tian et al., 2020, RFS; the RABO
+paper's x): 4 residual blocks of widths (64, 160, 320, 640) by default. Block i maps c_in -> w:
+  main      conv3x3 -> BN -> LeakyReLU(0.1) -> conv3x3 -> BN -> LeakyReLU(0.1) -> conv3x3 -> BN
+  shortcut  conv1x1 -> BN
+  out       LeakyReLU(0.1)(main + shortcut) -> maxpool 2
+then global average pooling to a w_last-d feature (28x28 -> 14 -> 7 -> 3 -> 1; 84x84 -> 42 -> 21 -> 10 -> 5).
+The convolutions have no bias (a bias before a batch-statistics BN is cancelled by its mean; the BN shift
+is the bias), as in MetaOptNet / RFS; DropBlock is not implemented. BN uses batch statistics (affine).
+Parameters: `block<i>.conv{1,2,3}.weight`, `block<i>.bn{1,2,3}.weight|bias`,
+`block<i>.shortcut.conv.weight`, `block<i>.shortcut.bn.weight|bias`.
+
+Masks and the residual add (`resnet12_groups()`): a structured mask keeps whole output channels per
+layer, and zeroing a channel's conv weight and BN scale and shift makes that channel exactly 0 after the
+BN (batch statistics of a constant channel: (0 - 0) * 0 + 0). The main branch's last conv and the
+shortcut are *summed*, so masking them as independent layers could keep channel c in one branch and
+drop it in the other, leaving a half-masked channel (non-zero, but with one branch's weights frozen).
+So `resnet12_groups()` puts conv3, bn3, the shortcut conv and the shortcut BN of a block into ONE layer,
+`block<i>.residual` (all have dim 0 = the block width): one mask covers both branches, and a dropped
+block channel is exactly 0 after the add, the LeakyReLU and the pool. Its importance score (the layer's
+lead, the first >= 2-D parameter in order) is conv3's weight. conv1 + bn1 (`block<i>.conv1`) and
+conv2 + bn2 (`block<i>.conv2`) are layers of their own (the interior channels of the main branch).
 """
 
 from __future__ import annotations
@@ -43,6 +65,71 @@ def conv4_features(p: State, images: torch.Tensor) -> torch.Tensor:
         h = F.batch_norm(h, None, None, p[f"block{i}.bn.weight"], p[f"block{i}.bn.bias"], training=True)
         h = F.max_pool2d(F.relu(h), 2)
     return h.flatten(1)
+
+
+RESNET12_WIDTHS = (64, 160, 320, 640)
+_LEAK = 0.1
+
+
+def _conv_weight(c_out: int, c_in: int, k: int, g: torch.Generator, dtype) -> torch.Tensor:
+    return torch.randn(c_out, c_in, k, k, generator=g, dtype=dtype) * math.sqrt(2.0 / (c_in * k * k))
+
+
+def resnet12_init(in_channels: int = 1, widths: tuple[int, ...] = RESNET12_WIDTHS, seed: int = 0,
+                  dtype=torch.float32) -> State:
+    if len(widths) != 4 or any(int(w) < 1 for w in widths):
+        raise ValueError(f"resnet12 needs 4 positive block widths, got {tuple(widths)}")
+    g = torch.Generator().manual_seed(seed)
+    p: State = {}
+    c_in = in_channels
+    for i, w in enumerate(int(w) for w in widths):
+        b = f"block{i}"
+        for j, c in ((1, c_in), (2, w), (3, w)):
+            p[f"{b}.conv{j}.weight"] = _conv_weight(w, c, 3, g, dtype)
+            p[f"{b}.bn{j}.weight"] = torch.ones(w, dtype=dtype)
+            p[f"{b}.bn{j}.bias"] = torch.zeros(w, dtype=dtype)
+        p[f"{b}.shortcut.conv.weight"] = _conv_weight(w, c_in, 1, g, dtype)
+        p[f"{b}.shortcut.bn.weight"] = torch.ones(w, dtype=dtype)
+        p[f"{b}.shortcut.bn.bias"] = torch.zeros(w, dtype=dtype)
+        c_in = w
+    return p
+
+
+def resnet12_groups() -> dict[str, str]:
+    """Layer of each parameter for structured masks: bn1 with conv1, bn2 with conv2, and conv3 + bn3 +
+    the shortcut conv + BN as one layer `block<i>.residual` (the two summed branches share one mask)."""
+    out: dict[str, str] = {}
+    for i in range(4):
+        b = f"block{i}"
+        for j in (1, 2):
+            out[f"{b}.bn{j}.weight"] = out[f"{b}.bn{j}.bias"] = f"{b}.conv{j}"
+        for n in ("conv3.weight", "bn3.weight", "bn3.bias", "shortcut.conv.weight", "shortcut.bn.weight",
+                  "shortcut.bn.bias"):
+            out[f"{b}.{n}"] = f"{b}.residual"
+    return out
+
+
+def _bn(p: State, name: str, h: torch.Tensor) -> torch.Tensor:
+    return F.batch_norm(h, None, None, p[f"{name}.weight"], p[f"{name}.bias"], training=True)
+
+
+def resnet12_block(p: State, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block i on h: (main branch after bn3, shortcut after its BN, block output after the add,
+    LeakyReLU and the pool)."""
+    b = f"block{i}"
+    m = F.leaky_relu(_bn(p, f"{b}.bn1", F.conv2d(h, p[f"{b}.conv1.weight"], padding=1)), _LEAK)
+    m = F.leaky_relu(_bn(p, f"{b}.bn2", F.conv2d(m, p[f"{b}.conv2.weight"], padding=1)), _LEAK)
+    m = _bn(p, f"{b}.bn3", F.conv2d(m, p[f"{b}.conv3.weight"], padding=1))
+    s = _bn(p, f"{b}.shortcut.bn", F.conv2d(h, p[f"{b}.shortcut.conv.weight"]))
+    return m, s, F.max_pool2d(F.leaky_relu(m + s, _LEAK), 2)
+
+
+def resnet12_features(p: State, images: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, widths[-1]] (global average pool after the 4 blocks; H, W >= 16)."""
+    h = images
+    for i in range(4):
+        h = resnet12_block(p, i, h)[2]
+    return h.mean((2, 3))
 
 
 def linear_init(n_out: int, n_in: int, dtype=torch.float32) -> State:

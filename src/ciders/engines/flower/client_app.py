@@ -16,6 +16,7 @@ Messages (message_type / kind):
   query    "hello"  -> {client_id}                                     (no torch import)
   train    "train"  broadcast bytes -> upload bytes + metrics record    (Eq. 4-10)
   evaluate "report" -> the personalized messenger x_K as wire bytes      (for the server's evaluation)
+  train    "bilevel" {phase} -> a RABO-family phase reply                (`engines.flower.bilevel.handle`)
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
     def handle(msg: Message, context: Context, kind: str) -> Message:
         cid = client_id_of(context)
         f = fm.fields_of(msg.content)
-        if f.get("kind") != kind:
+        if f.get("kind") != kind and not (kind == "train" and f.get("kind") == "bilevel"):
             raise ValueError(f"{cid}: expected a {kind!r} message, got {f.get('kind')!r}")
         if kind == "hello":
             _check_identity(context, cid, "")
@@ -117,6 +118,10 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
         _check_identity(context, cid, digest)
         state = state_dir_of(context, spec, cid)
         state.mkdir(parents=True, exist_ok=True)
+        if kind == "train" and f.get("phase"):  # a bilevel-family message (engines.flower.bilevel)
+            from ciders.engines.flower import bilevel
+
+            return bilevel.handle(msg, cid, state)
         cfg, task = _task(str(f["config"]), state)
         t, committed = int(f["round"]), int(f["committed"])
         if kind == "train":

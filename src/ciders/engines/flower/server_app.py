@@ -1,6 +1,7 @@
 """The ServerApp, and `run_simulation` behind `ciders run CONFIG --engine flower-sim`.
 
-The ServerApp builds the server-side task (model, public data, TAKD, evaluation) and the Coordinator on
+A bilevel experiment (RABO / RAFBO / FedMBO: its YAML has a `rabo` section) is served by
+`engines.flower.bilevel.serve` instead. Otherwise the ServerApp builds the server-side task (model, public data, TAKD, evaluation) and the Coordinator on
 the run directory, then runs CidersStrategy through Flower's own round loop (`Strategy.start`). The
 run directory is the same as the in-process engine's (metrics.jsonl, checkpoints, eval/, adapters/),
 minus `clients/`: on Flower, client state lives on the clients.
@@ -17,26 +18,43 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from ciders.config import ExperimentConfig
+
 
 def _spec_from_run_config(rc: dict) -> dict:
+    import yaml
+
     from ciders.config import dump_yaml, load_config
+    from ciders.config_bilevel import BilevelExperiment
+    from ciders.engines.flower.bilevel import is_bilevel
     from ciders.errors import ConfigError
 
     if not rc.get("config") or not rc.get("out"):
         raise ConfigError("the ServerApp needs run config keys config=<experiment.yaml> and out=<run dir> "
                           "(flwr run ... --run-config 'config=\"...\" out=\"...\"')")
     overrides = [s for s in str(rc.get("set", "")).split(";") if s.strip()]
-    cfg = load_config(str(rc["config"]), overrides)
+    path = Path(str(rc["config"]))
+    bilevel = path.is_file() and is_bilevel(yaml.safe_load(path.read_text()) or {})
+    cfg = load_config(path, overrides, cls=BilevelExperiment if bilevel else ExperimentConfig)
+    if bilevel:
+        from ciders.engines.bilevel_rounds import method_config
+
+        cfg = method_config(cfg, cfg.rabo.method)
     return {"config_text": dump_yaml(cfg), "out": str(rc["out"]), "resume": bool(rc.get("resume", False))}
 
 
 def serve(grid: Grid, spec: dict, log=print) -> dict:
     """One whole run on `grid` (simulation or deployment). Returns the run summary."""
+    import yaml
+
     from ciders.config import dump_yaml, loads_config
+    from ciders.engines.flower import bilevel
     from ciders.engines.flower.strategy import CidersStrategy
     from ciders.engines.llm_task import LLMTask
     from ciders.engines.rounds import Coordinator
 
+    if bilevel.is_bilevel(yaml.safe_load(spec["config_text"])):
+        return bilevel.serve(grid, spec, log=log)
     cfg = loads_config(spec["config_text"])
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)

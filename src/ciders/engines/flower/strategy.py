@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import Strategy
 from ciders.core.wire import PayloadError
 from ciders.errors import CidersError
 from ciders.engines.flower import messages as fm
+from ciders.engines.flower.nodes import NodeMap
 from ciders.engines.rounds import Coordinator, Reply
 
 
@@ -43,8 +44,8 @@ class CidersStrategy(Strategy):
         self.co, self.config_text, self.log = co, config_text, log
         self.first = co.first_round
         self.fcfg = co.cfg.flower
-        self.node_of: dict[str, int] = {}  # client id -> node id hosting it now
-        self.asked: dict[int, str] = {}  # node id -> client id it reported
+        self.nodes = NodeMap(co.ids, co.sizes, self.fcfg.round_timeout_s, log)
+        self.node_of, self.asked = self.nodes.node_of, self.nodes.asked  # client id <-> node id, shared dicts
         self.grid: Grid | None = None
         self.sent: dict[int, str] = {}  # node id -> client id of this round's train messages
 
@@ -55,40 +56,7 @@ class CidersStrategy(Strategy):
 
     # ------------------------------------------------------------------ nodes -> clients
     def _discover(self, grid: Grid, grace: float, quiet: bool = False) -> None:
-        """Map node ids to client ids: a `hello` query to every connected node not mapped yet, repeated
-        for up to `grace` seconds while some client has no node."""
-        deadline = time.monotonic() + grace
-        while True:
-            nodes = set(grid.get_node_ids())
-            for cid in [c for c, n in self.node_of.items() if n not in nodes]:
-                self.asked.pop(self.node_of.pop(cid), None)  # gone: ask again if it comes back
-            new = [n for n in nodes if self.asked.get(n) is None]
-            if new:
-                self._hello(grid, new)
-            missing = [c for c in self.co.ids if c not in self.node_of]
-            if not missing or time.monotonic() >= deadline:
-                break
-            time.sleep(2.0)
-        if missing and not quiet:
-            self.log(f"no SuperNode for {', '.join(missing)}")
-
-    def _hello(self, grid: Grid, nodes: list[int]) -> None:
-        msgs = [Message(fm.pack({"kind": "hello"}), dst_node_id=n, message_type="query") for n in nodes]
-        for rep in grid.send_and_receive(msgs, timeout=min(self.fcfg.round_timeout_s, 60.0)):
-            node = rep.metadata.src_node_id
-            if rep.has_error():
-                self.log(f"node {node}: no client id ({rep.error.reason})")
-                continue
-            try:
-                cid = str(fm.fields_of(rep.content)["client_id"])
-            except (PayloadError, KeyError) as exc:
-                self.log(f"node {node}: unreadable hello reply ({exc})")
-                continue
-            if cid not in self.co.sizes:
-                self.log(f"node {node} hosts {cid!r}, which is not a client of this run: ignored")
-                continue
-            self.asked[node] = cid
-            self.node_of[cid] = node  # a restarted node replaces the old one
+        self.nodes.discover(grid, grace, quiet)
 
     def _round(self, server_round: int) -> int:
         return self.first + server_round - 1
@@ -178,8 +146,7 @@ class CidersStrategy(Strategy):
                     continue
                 if rep.has_error() and rep.error.code == ErrorCode.NODE_UNAVAILABLE:
                     self.log(f"round {t}: {cid}'s node is unavailable; asking again if it rejoins in time")
-                    if self.node_of.get(cid) == node:  # forget it; _discover maps its successor
-                        self.asked.pop(self.node_of.pop(cid), None)
+                    self.nodes.forget(cid, node)  # _discover maps its successor
                     continue
                 done.add(cid)
                 if rep.has_error():

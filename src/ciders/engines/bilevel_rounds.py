@@ -1,0 +1,172 @@
+"""One bilevel-family round as messages (SPEC 2), shared by the in-process loop (`engines.bilevel`) and the
+Flower engine (`engines.flower.bilevel`): both move the same bytes through the same functions, so they give
+the same numbers.
+
+A method is a sequence of phases; each phase is one message to each client and one reply:
+  rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
+                          outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
+Server (`BilevelServer`, explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i)
+from the global weights; `down(phase, i)` is client i's message; `absorb(phase, replies)` checks each
+reply against the masks the server sent (a malformed one is rejected and logged, never applied) and takes
+the server step over the clients that answered (per-coordinate 1/C^k means, `algorithms.rabo`); `finish`
+evaluates and returns the round's records.
+Client (`client_phase`): decodes its message, runs `rabo.inner_update` / `rabo.outer_update`, replies
+with wire bytes and a JSON-able record (loss, loss-evaluation count `calls`, measured `seconds`). Between
+the two phases it keeps what it was sent (x_q and its masks) in `scratch` (a dict in-process, a state
+directory on a Flower node).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, MutableMapping
+
+import torch
+
+from ciders.algorithms import rabo as rb
+from ciders.core import masks as mk
+from ciders.core import submodel as sm
+from ciders.core.wire import PayloadError, decode, encode
+
+PHASES = {"rabo": ("inner", "outer"), "rafbo": ("inner", "outer"), "fedmbo": ("inner", "outer")}
+
+
+def method_config(exp, method: str):
+    """The experiment with `method` as its algorithm (FedMBO: every mask full)."""
+    if method not in PHASES:
+        from ciders.errors import ConfigError
+
+        raise ConfigError(f"unknown bilevel method {method!r}; choose from {', '.join(PHASES)}")
+    rule = "full" if method == "fedmbo" else exp.rabo.mask_rule
+    return replace(exp, rabo=replace(exp.rabo, method=method, mask_rule=rule)).validate()
+
+
+class _Counter:
+    """Counts loss evaluations (a second-order product by autograd costs ~2 gradients, by finite
+    differences 2 gradient calls; both show up here as the calls they make)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *a):
+        self.calls += 1
+        return self.fn(*a)
+
+
+def kept_fraction(m: rb.ClientMasks) -> float:
+    return mk.masked_fraction({**{f"x/{k}": v for k, v in m.x.items()}, **{f"y/{k}": v for k, v in m.y.items()}})
+
+
+class BilevelServer:
+    """The server of one run: state (x, y), this round's masks, and the message of every phase."""
+
+    def __init__(self, exp, task, log: Callable[[str], None] = print):
+        self.exp, self.cfg, self.task, self.log = exp, exp.rabo, task, log
+        x0, y0 = task.initial()
+        self.state = rb.init_state(x0, y0)
+        self.caps = task.clients()
+        self.phases = PHASES[self.cfg.method]
+        self.masks: list[rb.ClientMasks] = []
+        self.mid: rb.BilevelState | None = None
+        self.stats: dict = {}
+
+    @property
+    def ids(self) -> list[int]:
+        return list(range(len(self.caps)))
+
+    def begin(self, q: int) -> None:
+        if self.state.round != q:
+            raise ValueError(f"the server is at round {self.state.round}, asked to begin round {q}")
+        self.masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
+                                      capacities=self.caps) for i, r in enumerate(self.caps)]
+        self.mid, self.stats = None, {}
+
+    def down(self, phase: str, i: int) -> bytes:
+        m, s = self.masks[i], self.state
+        meta = {"round": s.round, "client": i, "phase": phase}
+        if phase == "inner":
+            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
+        if phase == "outer":
+            return encode({"y": sm.pack(self.mid.y, m.y)}, meta)[0]
+        raise ValueError(f"unknown phase {phase!r}")
+
+    def _read(self, phase: str, i: int, msg: bytes, name: str, mask: dict, ref: dict):
+        comps, meta = decode(msg)
+        if meta.get("round") != self.state.round or meta.get("client") != i or meta.get("phase") != phase:
+            raise PayloadError(f"reply is for round {meta.get('round')} client {meta.get('client')} phase "
+                               f"{meta.get('phase')!r}, expected round {self.state.round} client {i} phase {phase!r}")
+        if set(comps) != {name}:
+            raise PayloadError(f"reply must hold exactly the component {name!r}, got {sorted(comps)}")
+        return sm.scatter(comps[name], mask, ref, f"client {i} {name}")
+
+    def absorb(self, phase: str, replies: dict[int, bytes]) -> dict:
+        """The server step of `phase` over the clients whose replies are valid; returns
+        {client: reason} of the rejected ones."""
+        rejected, vals, used = {}, [], []
+        name, field = ("G", "y") if phase == "inner" else ("h", "x")
+        ref = self.state.y if phase == "inner" else self.state.x
+        for i in sorted(replies):
+            m = self.masks[i]
+            try:
+                vals.append(self._read(phase, i, replies[i], name, getattr(m, field), ref))
+                used.append(m)
+            except PayloadError as exc:
+                rejected[i] = str(exc)
+                self.log(f"round {self.state.round} {phase}: rejected the reply of client {i}: {exc}")
+        if phase == "inner":
+            base = self.state
+            self.mid, st = rb.server_inner(self.cfg, base, vals, used) if vals else (base, {"covering_y": 0,
+                                                                                          "trained_y": 0.0})
+        else:
+            base = self.mid
+            self.state, st = rb.server_outer(self.cfg, base, vals, used) if vals else (
+                rb.BilevelState(base.round + 1, base.x, base.y), {"covering_x": 0, "trained_x": 0.0})
+        self.stats.update(st)
+        self.stats[f"{phase}_clients"] = [i for i in sorted(replies) if i not in rejected]
+        return rejected
+
+    def participants(self, phase: str) -> list[int]:
+        """Who gets `phase`'s message: everyone for the first phase; for the outer phase, the clients whose
+        inner reply was accepted (the others have no place in this round's y_{q+1})."""
+        return self.ids if phase == self.phases[0] else list(self.stats.get(f"{self.phases[0]}_clients", []))
+
+    def evaluate(self) -> dict:
+        return self.task.evaluate(self.state.x, self.state.y)
+
+
+def client_phase(exp, task, phase: str, i: int, msg: bytes, scratch: MutableMapping[str, dict]
+                 ) -> tuple[bytes, dict]:
+    """Client i's reply to the server's `phase` message (see the module docstring)."""
+    cfg = exp.rabo
+    x0, y0 = task.initial()  # shapes and dtypes the client expects (its copy of the architecture)
+    comps, meta = decode(msg)
+    q = meta.get("round")
+    if meta.get("client") != i or meta.get("phase") != phase or not isinstance(q, int):
+        raise PayloadError(f"client {i}: message is for client {meta.get('client')} phase {meta.get('phase')!r}")
+    t0 = time.perf_counter()
+    if phase == "inner":
+        x, mx = sm.unpack(comps["x"], x0, "x")
+        y, my = sm.unpack(comps["y"], y0, "y")
+        m = rb.ClientMasks(mx, my, task.clients()[i])
+        g = _Counter(task.g)
+        G, info = rb.inner_update(cfg, rb.BilevelState(q, x, y), m, g, task.batches(i, q, cfg.inner_steps))
+        scratch.clear()
+        scratch.update({"round": {"q": torch.tensor(q)}, "x": x, "mx": mx, "my": my})
+        up, calls = encode({"G": sm.gather(G, my)}, {"round": q, "client": i, "phase": phase})[0], g.calls
+    elif phase == "outer":
+        if "round" not in scratch or int(scratch["round"]["q"]) != q:
+            raise PayloadError(f"client {i}: outer message of round {q} without this round's inner phase")
+        y, my = sm.unpack(comps["y"], y0, "y")
+        m = rb.ClientMasks(scratch["mx"], my, task.clients()[i])
+        f, g = _Counter(task.f), _Counter(task.g)
+        h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(i, q))
+        up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
+    else:
+        raise PayloadError(f"client {i}: unknown phase {phase!r}")
+    kept = mk.masked_fraction({**{f"x/{k}": v for k, v in (scratch["mx"]).items()},
+                               **{f"y/{k}": v for k, v in m.y.items()}})
+    rec = {"event": "client", "round": q, "client": i, "phase": phase, "capacity": m.capacity, "calls": calls,
+           "kept_fraction": kept, "op_estimate": calls * kept, "bytes_down": len(msg), "bytes_up": len(up),
+           "seconds": time.perf_counter() - t0, **info}
+    return up, rec
