@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ciders.algorithms.bilevel import BILEVEL, METHODS
+from ciders.algorithms.fedmeta import FedMetaConfig
 from ciders.algorithms.rabo import RaboConfig
 from ciders.config import FlowerConfig, opt, section, validate_sections
 from ciders.errors import ConfigError
@@ -71,14 +73,23 @@ class BilevelFederationConfig:
 class BilevelExperiment:
     name: str = opt("bilevel", "run name")
     seed: int = opt(0, "seed for shards, episodes and initial weights")
+    method: str = opt("rabo", "what runs: rabo | rafbo | fedmbo | static | fedrolex | fiarse | oap (RABO with that "
+                              "extraction rule) | dist-protonet | dist-maml (few-shot) | fedavg (loss tuning, untuned); "
+                              "`ciders bilevel --methods` runs several")
     task: BilevelTaskConfig = section(BilevelTaskConfig, "the bilevel task and its data")
     federation: BilevelFederationConfig = section(BilevelFederationConfig, "clients, capacities, rounds")
     rabo: RaboConfig = section(RaboConfig, "RABO / RAFBO / FedMBO (ciders.algorithms.rabo)")
+    fedmeta: FedMetaConfig = section(FedMetaConfig, "the full-model baselines' local steps (ciders.algorithms.fedmeta)")
     flower: FlowerConfig = section(FlowerConfig, "Flower engine settings (`ciders bilevel --engine flower-sim`, "
                                                  "`ciders flower ...`)")
 
     def validate(self) -> "BilevelExperiment":
         validate_sections(self)
+        if self.method not in METHODS:
+            raise ConfigError(f"method: must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method in BILEVEL and BILEVEL[self.method][0] != self.rabo.method:
+            raise ConfigError(f"method {self.method} runs rabo.method {BILEVEL[self.method][0]}, but the config has "
+                              f"rabo.method {self.rabo.method}; set method: {self.rabo.method} or drop rabo.method")
         if self.task.kind == "losstune" and self.rabo.mask_target != "y":
             raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
         return self

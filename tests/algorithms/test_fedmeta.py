@@ -231,21 +231,20 @@ def test_fedavg_notune_is_sgd_on_plain_cross_entropy_with_x_fixed():
     for (k, v), gk in zip(y0.items(), gs):
         assert torch.allclose(y1[k], v - 0.2 * gk, atol=1e-6)
     assert m["calls"] == 1 and m["loss"] == pytest.approx(float(plain.detach()), rel=1e-5)
-    # one client: the FedAvg round is its local update
-    xr, yr, mr = fm.fedavg_round(fedavg_notune.local_update, cfg, task, x0, y0, 0)
-    assert all(torch.allclose(yr[k], y1[k]) for k in y1) and all(torch.equal(xr[k], x0[k]) for k in x0)
-    assert mr["calls"] == 1
+    # one client: the FedAvg mean is its local model
+    yr = fm.server_mean(y0, [y1], [1.0])
+    assert all(torch.allclose(yr[k], y1[k]) for k in y1)
 
 
-def test_fedavg_round_averages_the_client_models():
+def test_fedavg_mean_of_the_client_models():
     task = tiny_losstune(2)
     x0, y0 = task.initial()
     cfg = fm.FedMetaConfig(local_steps=2, lr=0.1).validate()
     locals_ = [fedavg_notune.local_update(cfg, task, x0, y0, i, 0) for i in range(2)]
-    _, yr, mr = fm.fedavg_round(fedavg_notune.local_update, cfg, task, x0, y0, 0, weights=[1.0, 3.0])
+    yr = fm.server_mean(y0, [lo[1] for lo in locals_], [1.0, 3.0])
     for k in y0:
         assert torch.allclose(yr[k], 0.25 * locals_[0][1][k] + 0.75 * locals_[1][1][k], atol=1e-6)
-    assert mr["calls"] == 4 and len(mr["clients"]) == 2
+    assert sum(lo[2]["calls"] for lo in locals_) == 4
 
 
 # ------------------------------------------------------------------------------------- Omniglot smoke
@@ -262,13 +261,16 @@ def test_one_round_of_each_baseline_on_omniglot():
     x0, y0 = task.initial()
     for mod, cfg in ((dist_protonet, fm.FedMetaConfig(local_steps=2, lr=0.05)),
                      (dist_maml, fm.FedMetaConfig(local_steps=2, lr=0.05, inner_steps=1))):
-        x1, y1, m = fm.fedavg_round(mod.local_update, cfg.validate(), task, x0, y0, 0)
+        locs = [mod.local_update(cfg.validate(), task, x0, y0, i, 0) for i in range(2)]
+        x1 = fm.server_mean(x0, [lo[0] for lo in locs], [1.0, 1.0])
+        y1 = fm.server_mean(y0, [lo[1] for lo in locs], [1.0, 1.0])
+        calls = sum(lo[2]["calls"] for lo in locs)
         assert all(bool(torch.isfinite(v).all()) for v in list(x1.values()) + list(y1.values()))
         assert any(not torch.equal(x1[k], x0[k]) for k in x0)
-        assert all(c["steps"] == 2 for c in m["clients"]) and m["loss"] > 0
+        assert all(lo[2]["steps"] == 2 and lo[2]["loss"] > 0 for lo in locs)
         if mod is dist_protonet:
-            assert all(torch.equal(y1[k], y0[k]) for k in y0) and m["calls"] == 4
+            assert all(torch.equal(y1[k], y0[k]) for k in y0) and calls == 4
         else:
-            assert any(not torch.equal(y1[k], y0[k]) for k in y0) and m["calls"] == 2 * 2 * 3
+            assert any(not torch.equal(y1[k], y0[k]) for k in y0) and calls == 2 * 2 * 3
         ev = task.evaluate(x1, y1)
         assert 0 <= ev["accuracy"] <= 1

@@ -19,7 +19,7 @@ from ciders.core.wire import PayloadError, encode
 from ciders.engines.flower import messages as fm
 from ciders.engines.flower.strategy import CidersStrategy
 from ciders.engines.local import Faults, RunDir, run_federation
-from ciders.engines.rounds import Coordinator, client_round, load_personalized_from
+from ciders.engines.rounds import Coordinator, client_round
 from ciders.engines.synthetic import VectorTask
 
 VEC = ["federation.clients=5", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",

@@ -15,7 +15,8 @@ Each algorithm is one module exposing the same client step, a pure function over
   `ciders.algorithms.dist_maml`      Finn et al. 2017, on (x, y) as the meta-learner
   `ciders.algorithms.fedavg_notune`  the loss-tuning task's classifier y on the untuned loss; x unchanged
 
-and `server_mean` (below) is the one server step they share. Client i of round q takes its data from
+and `server_mean` (below) is the one server step they share; the round itself (who trains, the
+messages, the mean) is `engines.bilevel_rounds`, as for RABO. Client i of round q takes its data from
 `task.batches(i, q, cfg.local_steps)`: one batch (an episode, for the few-shot task) per local step.
 Metrics of a client: `loss` (mean training loss over its local steps, each at the parameters the step
 differentiated), `calls` (loss-gradient evaluations, i.e. backward passes: every Hessian-vector product
@@ -29,12 +30,12 @@ ProtoNet, which has no head, has nothing to regularise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from ciders.config import opt
-from ciders.core.tensors import State, clone
+from ciders.core.tensors import State
 from ciders.errors import ConfigError
 
 
@@ -90,26 +91,6 @@ def server_mean(global_params: Mapping[str, torch.Tensor], client_params: Sequen
         if extra:
             raise KeyError(f"server_mean: client {j} has keys the global model lacks, e.g. {sorted(extra)[0]!r}")
     return out
-
-
-LocalUpdate = Callable[..., tuple[State, State, dict]]
-
-
-def fedavg_round(local_update: LocalUpdate, cfg: FedMetaConfig, task, x: State, y: State, q: int,
-                 weights: Sequence[float] | None = None) -> tuple[State, State, dict]:
-    """One round of any of the three baselines: every client of `task.clients()` runs `local_update`
-    from the global (x, y), the server averages x and y with `server_mean` (uniform weights unless given).
-    Returns (x_{q+1}, y_{q+1}, {"clients": [per-client metrics], "loss": mean, "calls": total})."""
-    n = len(task.clients())
-    weights = [1.0] * n if weights is None else list(weights)
-    xs, ys, ms = [], [], []
-    for i in range(n):
-        xi, yi, m = local_update(cfg, task, clone(x), clone(y), i, q)
-        xs.append(xi)
-        ys.append(yi)
-        ms.append(m)
-    x_new, y_new = server_mean(x, xs, weights), server_mean(y, ys, weights)
-    return x_new, y_new, {"clients": ms, "loss": sum(m["loss"] for m in ms) / n, "calls": sum(m["calls"] for m in ms)}
 
 
 def sgd(params: State, grad: Mapping[str, torch.Tensor], lr: float) -> State:

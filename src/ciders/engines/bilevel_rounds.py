@@ -4,7 +4,10 @@ the same numbers.
 
 A method is a sequence of phases; each phase is one message to each client and one reply:
   rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
-                          outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
+  static / fedrolex /     outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
+  fiarse / oap            (RABO with the sub-model baselines' extraction rules, `core.masks`)
+  dist-protonet /         local: down the full (x, y) -> up the client's model after its local steps
+  dist-maml / fedavg      (`algorithms.fedmeta`: FedAvg of the meta-learner / of the untuned classifier)
 Server (`BilevelServer`, explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i)
 from the global weights; `down(phase, i)` is client i's message; `absorb(phase, replies)` checks each
 reply against the masks the server sent (a malformed one is rejected and logged, never applied) and takes
@@ -25,21 +28,29 @@ from typing import Callable, MutableMapping
 import torch
 
 from ciders.algorithms import rabo as rb
+from ciders.algorithms.bilevel import BILEVEL, FULL, METHODS
 from ciders.core import masks as mk
 from ciders.core import submodel as sm
 from ciders.core.wire import PayloadError, decode, encode
 
-PHASES = {"rabo": ("inner", "outer"), "rafbo": ("inner", "outer"), "fedmbo": ("inner", "outer")}
+def phases_of(method: str) -> tuple[str, ...]:
+    return ("local",) if method in FULL else ("inner", "outer")
 
 
 def method_config(exp, method: str):
-    """The experiment with `method` as its algorithm (FedMBO: every mask full)."""
-    if method not in PHASES:
-        from ciders.errors import ConfigError
+    """The experiment with `method` as what it runs (FedMBO: every mask full; Static / FedRolex / FIARSE
+    / OAP: RABO with that extraction rule; the full-model baselines their own client step)."""
+    from ciders.errors import ConfigError
 
-        raise ConfigError(f"unknown bilevel method {method!r}; choose from {', '.join(PHASES)}")
-    rule = "full" if method == "fedmbo" else exp.rabo.mask_rule
-    return replace(exp, rabo=replace(exp.rabo, method=method, mask_rule=rule)).validate()
+    if method not in METHODS:
+        raise ConfigError(f"unknown bilevel method {method!r}; choose from {', '.join(METHODS)}")
+    if method in FULL:
+        if FULL[method][1] != exp.task.kind:
+            raise ConfigError(f"{method} is a baseline of the {FULL[method][1]} task, not of {exp.task.kind}")
+        return replace(exp, method=method).validate()
+    algo, rule = BILEVEL[method]
+    return replace(exp, method=method, rabo=replace(exp.rabo, method=algo, mask_rule=rule or exp.rabo.mask_rule)
+                   ).validate()
 
 
 class _Counter:
@@ -54,6 +65,10 @@ class _Counter:
         return self.fn(*a)
 
 
+def _ones(st: dict) -> dict:
+    return {k: torch.ones_like(v) for k, v in st.items()}
+
+
 def kept_fraction(m: rb.ClientMasks) -> float:
     return mk.masked_fraction({**{f"x/{k}": v for k, v in m.x.items()}, **{f"y/{k}": v for k, v in m.y.items()}})
 
@@ -66,7 +81,8 @@ class BilevelServer:
         x0, y0 = task.initial()
         self.state = rb.init_state(x0, y0)
         self.caps = task.clients()
-        self.phases = PHASES[self.cfg.method]
+        self.method = exp.method
+        self.phases = phases_of(self.method)
         self.masks: list[rb.ClientMasks] = []
         self.mid: rb.BilevelState | None = None
         self.stats: dict = {}
@@ -78,8 +94,11 @@ class BilevelServer:
     def begin(self, q: int) -> None:
         if self.state.round != q:
             raise ValueError(f"the server is at round {self.state.round}, asked to begin round {q}")
-        self.masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
-                                      capacities=self.caps) for i, r in enumerate(self.caps)]
+        if self.method in FULL:
+            self.masks = [rb.ClientMasks(_ones(self.state.x), _ones(self.state.y), 1.0) for _ in self.caps]
+        else:
+            self.masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
+                                          capacities=self.caps) for i, r in enumerate(self.caps)]
         self.mid, self.stats = None, {}
 
     def down(self, phase: str, i: int) -> bytes:
@@ -89,13 +108,13 @@ class BilevelServer:
             return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
         if phase == "outer":
             return encode({"y": sm.pack(self.mid.y, m.y)}, meta)[0]
+        if phase == "local":  # a full-model baseline: the whole model down, the client's model up
+            return encode({"x": s.x, "y": s.y}, meta)[0]
         raise ValueError(f"unknown phase {phase!r}")
 
     def _read(self, phase: str, i: int, msg: bytes, name: str, mask: dict, ref: dict):
         comps, meta = decode(msg)
-        if meta.get("round") != self.state.round or meta.get("client") != i or meta.get("phase") != phase:
-            raise PayloadError(f"reply is for round {meta.get('round')} client {meta.get('client')} phase "
-                               f"{meta.get('phase')!r}, expected round {self.state.round} client {i} phase {phase!r}")
+        self._check_meta(meta, phase, i)
         if set(comps) != {name}:
             raise PayloadError(f"reply must hold exactly the component {name!r}, got {sorted(comps)}")
         return sm.scatter(comps[name], mask, ref, f"client {i} {name}")
@@ -103,6 +122,8 @@ class BilevelServer:
     def absorb(self, phase: str, replies: dict[int, bytes]) -> dict:
         """The server step of `phase` over the clients whose replies are valid; returns
         {client: reason} of the rejected ones."""
+        if phase == "local":
+            return self._absorb_local(replies)
         rejected, vals, used = {}, [], []
         name, field = ("G", "y") if phase == "inner" else ("h", "x")
         ref = self.state.y if phase == "inner" else self.state.x
@@ -125,6 +146,37 @@ class BilevelServer:
         self.stats.update(st)
         self.stats[f"{phase}_clients"] = [i for i in sorted(replies) if i not in rejected]
         return rejected
+
+    def _absorb_local(self, replies: dict[int, bytes]) -> dict:
+        """FedAvg (`algorithms.fedmeta.server_mean`, uniform weights) of the valid client models."""
+        from ciders.algorithms.fedmeta import server_mean
+
+        s, rejected, xs, ys = self.state, {}, [], []
+        for i in sorted(replies):
+            try:
+                comps, meta = decode(replies[i], {"x": s.x, "y": s.y})
+                self._check_meta(meta, "local", i)
+                if set(comps) != {"x", "y"}:
+                    raise PayloadError(f"reply must hold x and y, got {sorted(comps)}")
+                xs.append(comps["x"])
+                ys.append(comps["y"])
+            except PayloadError as exc:
+                rejected[i] = str(exc)
+                self.log(f"round {s.round} local: rejected the reply of client {i}: {exc}")
+        if xs:
+            w = [1.0] * len(xs)
+            self.state = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
+        else:
+            self.state = rb.BilevelState(s.round + 1, s.x, s.y)
+        n = len(xs)
+        self.stats.update({"covering_x": n, "covering_y": n, "trained_x": float(n > 0), "trained_y": float(n > 0),
+                           "local_clients": [i for i in sorted(replies) if i not in rejected]})
+        return rejected
+
+    def _check_meta(self, meta: dict, phase: str, i: int) -> None:
+        if meta.get("round") != self.state.round or meta.get("client") != i or meta.get("phase") != phase:
+            raise PayloadError(f"reply is for round {meta.get('round')} client {meta.get('client')} phase "
+                               f"{meta.get('phase')!r}, expected round {self.state.round} client {i} phase {phase!r}")
 
     def participants(self, phase: str) -> list[int]:
         """Who gets `phase`'s message: everyone for the first phase; for the outer phase, the clients whose
@@ -162,8 +214,24 @@ def client_phase(exp, task, phase: str, i: int, msg: bytes, scratch: MutableMapp
         f, g = _Counter(task.f), _Counter(task.g)
         h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(i, q))
         up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
+    elif phase == "local" and exp.method in FULL:
+        import importlib
+
+        from ciders.core.wire import check
+
+        if set(comps) != {"x", "y"}:
+            raise PayloadError(f"client {i}: a local message holds x and y, got {sorted(comps)}")
+        check(comps["x"], x0, "x")
+        check(comps["y"], y0, "y")
+        algo = importlib.import_module(FULL[exp.method][0])
+        xn, yn, info = algo.local_update(exp.fedmeta, task, {k: comps["x"][k] for k in x0},
+                                         {k: comps["y"][k] for k in y0}, i, q)
+        up = encode({"x": xn, "y": yn}, {"round": q, "client": i, "phase": phase})[0]
+        calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[i])
+        scratch.clear()
+        scratch["mx"] = m.x
     else:
-        raise PayloadError(f"client {i}: unknown phase {phase!r}")
+        raise PayloadError(f"client {i}: phase {phase!r} is not a phase of {exp.method}")
     kept = mk.masked_fraction({**{f"x/{k}": v for k, v in (scratch["mx"]).items()},
                                **{f"y/{k}": v for k, v in m.y.items()}})
     rec = {"event": "client", "round": q, "client": i, "phase": phase, "capacity": m.capacity, "calls": calls,

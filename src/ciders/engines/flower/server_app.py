@@ -39,7 +39,7 @@ def _spec_from_run_config(rc: dict) -> dict:
     if bilevel:
         from ciders.engines.bilevel_rounds import method_config
 
-        cfg = method_config(cfg, cfg.rabo.method)
+        cfg = method_config(cfg, cfg.method)
     return {"config_text": dump_yaml(cfg), "out": str(rc["out"]), "resume": bool(rc.get("resume", False))}
 
 

@@ -1,0 +1,177 @@
+"""The bilevel round as messages (engines.bilevel_rounds) against the algorithm called directly: the wire
+and the masks' packing change no number; lost and malformed replies are left out of the round exactly
+as if they never arrived; the full-model baselines are FedAvg of their local steps."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ciders.algorithms import dist_maml, fedmeta
+from ciders.algorithms import rabo as rb
+from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
+from ciders.core.tensors import equal
+from ciders.core.wire import decode, encode
+from ciders.engines.bilevel import InProcess, run_bilevel
+from ciders.engines.bilevel_rounds import BilevelServer, client_phase, method_config
+from ciders.fileio import read_jsonl
+
+
+class QuadTask:
+    """Client i: g_i = 1/2 |Y A_i - X'|^2-ish quadratic in y (strongly convex), f_i = 1/2 |Y - T_i|^2 + |X|^2 / 20;
+    X [4, 3] (layer `enc`) and Y [5, 4] (layer `head`) so structured masks keep whole rows."""
+
+    def __init__(self, caps=(1.0, 0.5, 0.25), seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.caps = list(caps)
+        self.data = [(torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(5, 6, generator=g, dtype=torch.float64),
+                      torch.randn(5, 4, generator=g, dtype=torch.float64)) for _ in caps]
+        self.evals = []
+
+    def clients(self):
+        return list(self.caps)
+
+    def initial(self):
+        g = torch.Generator().manual_seed(1)
+        return ({"enc.weight": torch.randn(4, 3, generator=g, dtype=torch.float64)},
+                {"head.weight": torch.randn(5, 4, generator=g, dtype=torch.float64)})
+
+    def groups(self):
+        return {}
+
+    def batches(self, i, q, n):
+        return [i] * n
+
+    def outer_batch(self, i, q):
+        return i
+
+    def g(self, x, y, i):
+        A, B, _ = self.data[i]
+        z = x["enc.weight"] @ torch.ones(3, 6, dtype=torch.float64) * 0.1 + A
+        return 0.5 * ((y["head.weight"] @ z - B) ** 2).sum() + 0.05 * (y["head.weight"] ** 2).sum()
+
+    def f(self, x, y, i):
+        return 0.5 * ((y["head.weight"] - self.data[i][2]) ** 2).sum() + 0.05 * (x["enc.weight"] ** 2).sum()
+
+    def evaluate(self, x, y):
+        return {"loss": float(sum(self.f(x, y, i) for i in range(len(self.caps))))}
+
+
+def exp_for(method="rabo", rounds=2, **rabo):
+    base = BilevelExperiment(federation=BilevelFederationConfig(clients=3, rounds=rounds))
+    base = replace(base, rabo=replace(base.rabo, inner_steps=2, beta=0.1, alpha=0.1, solver_iters=8, **rabo),
+                   fedmeta=replace(base.fedmeta, local_steps=2, lr=0.05, inner_lr=0.1))
+    return method_config(base, method)
+
+
+def direct_round(exp, task, state, drop=()):
+    """One round of `algorithms.rabo` called directly, clients in `drop` left out of both phases."""
+    cfg = exp.rabo
+    ids = [i for i in range(len(task.caps)) if i not in drop]
+    masks = {i: rb.client_masks(cfg, state, task.caps[i], groups={}, client=i, capacities=task.caps)
+             for i in range(len(task.caps))}
+    Gs = [rb.inner_update(cfg, state, masks[i], task.g, task.batches(i, 0, cfg.inner_steps))[0] for i in ids]
+    mid, _ = rb.server_inner(cfg, state, Gs, [masks[i] for i in ids])
+    hs = [rb.outer_update(cfg, mid, masks[i], task.f, task.g, i)[0] for i in ids]
+    return rb.server_outer(cfg, mid, hs, [masks[i] for i in ids])[0]
+
+
+@pytest.mark.parametrize("method", ["rabo", "rafbo", "fedmbo", "fiarse", "oap"])
+def test_a_round_through_messages_equals_the_algorithm_called_directly(tmp_path, method):
+    exp, task = exp_for(method, rounds=1), QuadTask()
+    run_bilevel(exp, task, tmp_path, log=lambda s: None)
+    want = direct_round(exp, task, rb.init_state(*task.initial()))
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "final.safetensors"))
+    assert all(torch.equal(got[f"x/{k}"], v) for k, v in want.x.items())
+    assert all(torch.equal(got[f"y/{k}"], v) for k, v in want.y.items())
+
+
+def test_a_lost_inner_reply_leaves_the_client_out_of_the_round(tmp_path):
+    exp, task = exp_for("rabo", rounds=1), QuadTask()
+    logs = []
+    run_bilevel(exp, task, tmp_path, log=logs.append, exchange=InProcess(exp, task, drop={(0, "inner", 1)}))
+    rnd = next(r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "round")
+    assert rnd["inner_clients"] == [0, 2] and rnd["outer_clients"] == [0, 2]  # no outer message to client 1
+    from safetensors.torch import load_file
+
+    want, got = direct_round(exp, task, rb.init_state(*task.initial()), drop=(1,)), load_file(str(tmp_path / "final.safetensors"))
+    assert all(torch.equal(got[f"x/{k}"], v) for k, v in want.x.items())
+
+
+def _nan(up):
+    comps, meta = decode(up)
+    return encode({n: {k: torch.full_like(v, float("nan")) for k, v in st.items()} for n, st in comps.items()}, meta)[0]
+
+
+def _short(up):
+    comps, meta = decode(up)
+    return encode({n: {k: v[:-1] for k, v in st.items()} for n, st in comps.items()}, meta)[0]
+
+
+def _stale(up):
+    comps, meta = decode(up)
+    return encode(comps, {**meta, "round": meta["round"] - 1})[0]
+
+
+@pytest.mark.parametrize("bad,why", [(_nan, "NaN"), (_short, "expected"), (_stale, "expected round 1")])
+def test_a_malformed_reply_is_rejected_and_changes_nothing(tmp_path, bad, why):
+    """Client 2's round-1 outer reply is tampered with: it is rejected with a reason, and the run equals
+    the one in which that reply was lost."""
+    exp, task = exp_for("rabo", rounds=2), QuadTask()
+
+    class Tamper(InProcess):
+        def __call__(self, phase, q, messages):
+            out = super().__call__(phase, q, messages)
+            if (q, phase) == (1, "outer"):
+                up, rec = out[2]
+                out[2] = (bad(up), rec)
+            return out
+
+    logs = []
+    run_bilevel(exp, task, tmp_path / "bad", log=logs.append, exchange=Tamper(exp, task))
+    run_bilevel(exp, task, tmp_path / "lost", log=lambda s: None, exchange=InProcess(exp, task, drop={(1, "outer", 2)}))
+    assert any("rejected the reply of client 2" in line and why in line for line in logs), logs
+    assert (tmp_path / "bad" / "final.safetensors").read_bytes() == (tmp_path / "lost" / "final.safetensors").read_bytes()
+
+
+def test_only_kept_entries_travel():
+    exp, task = exp_for("rabo"), QuadTask()
+    server = BilevelServer(exp, task, log=lambda s: None)
+    server.begin(0)
+    m = server.masks[2]  # capacity 1/4: 1 of 4 rows of X, 1 of 5 rows of Y
+    comps, _ = decode(server.down("inner", 2))
+    assert comps["x"]["enc.weight"].numel() == 3 and comps["y"]["head.weight"].numel() == 4
+    up, rec = client_phase(exp, task, "inner", 2, server.down("inner", 2), {})
+    assert decode(up)[0]["G"]["head.weight"].numel() == int(m.y["head.weight"].sum()) == 4
+    assert rec["bytes_down"] == len(server.down("inner", 2)) and rec["bytes_up"] == len(up)
+    full = BilevelServer(exp_for("fedmbo"), task, log=lambda s: None)
+    full.begin(0)
+    assert len(server.down("inner", 2)) < len(full.down("inner", 2))
+
+
+def test_full_model_baseline_round_is_fedavg_of_the_local_steps(tmp_path):
+    exp, task = exp_for("dist-maml", rounds=1), QuadTask()
+    exp = replace(exp, task=replace(exp.task, kind="fewshot"))
+    run_bilevel(exp, task, tmp_path, log=lambda s: None)
+    x0, y0 = task.initial()
+    locs = [dist_maml.local_update(exp.fedmeta, task, x0, y0, i, 0) for i in range(3)]
+    want_x = fedmeta.server_mean(x0, [lx for lx, _, _ in locs], [1, 1, 1])
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "final.safetensors"))
+    assert equal({"enc.weight": got["x/enc.weight"]}, want_x)
+    recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "client"]
+    assert [r["phase"] for r in recs] == ["local"] * 3 and all(r["kept_fraction"] == 1.0 for r in recs)
+
+
+def test_method_errors_name_the_problem():
+    from ciders.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown bilevel method 'fednest'"):
+        exp_for("fednest")
+    with pytest.raises(ConfigError, match="fedavg is a baseline of the losstune task"):
+        exp_for("fedavg")
+    with pytest.raises(ConfigError, match="runs rabo.method rafbo"):
+        replace(BilevelExperiment(), method="rafbo").validate()
