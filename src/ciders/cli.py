@@ -49,8 +49,17 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
 
     exp = load_config(a.config, a.set or [], cls=BilevelExperiment)
     out = Path(a.out) if a.out else Path("runs") / exp.name
-    run_experiment(exp, out, [m.strip() for m in a.methods.split(",") if m.strip()], engine=a.engine)
-    print((out / "bilevel.md").read_text())
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if a.seeds is None and not a.grid:
+        run_experiment(exp, out, methods, engine=a.engine)
+        print((out / "bilevel.md").read_text())
+    else:
+        from ciders.engines.bilevel_table import run_table
+        from ciders.engines.compare import parse_seeds
+        from ciders.engines.sweep import parse_grid
+
+        run_table(exp, methods, parse_seeds(a.seeds or str(exp.seed)), parse_grid(a.grid or []), out, engine=a.engine)
+        print((out / "table.md").read_text())
     print(f"output directory: {out}")
     return 0
 
@@ -274,7 +283,13 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bilevel", help="RABO / RAFBO / FedMBO on a bilevel task (few-shot Omniglot, loss tuning)")
     _experiment_args(p, "bilevel experiment YAML (configs/cpu/rabo_*.yaml)", "output directory (default runs/<name>)")
-    p.add_argument("--methods", default="rabo,rafbo,fedmbo", help="comma-separated: rabo, rafbo, fedmbo")
+    p.add_argument("--methods", default="rabo,rafbo,fedmbo",
+                   help="comma-separated: rabo, rafbo, fedmbo, static, fedrolex, fiarse, oap, dist-protonet, dist-maml "
+                        "(few-shot), fedavg (loss tuning)")
+    p.add_argument("--seeds", help="comma-separated seeds: a table of mean +- std over them (OUT/table.md)")
+    p.add_argument("--grid", action="append", metavar="KEY=V1,V2",
+                   help="a config key and its values, repeatable (e.g. task.n_way=5,20: Table II; "
+                        "federation.clients=10,20,30,50: scalability); one table column per point")
     p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
                    help="local: this process; flower-sim: Flower's simulation runtime (Ray), the same numbers")
     p.set_defaults(fn=_cmd_bilevel)

@@ -30,6 +30,8 @@ class BilevelTaskConfig:
     width: int = opt(32, "fewshot: Conv4 channels (ResNet12: the first block's); losstune: hidden units of the "
                          "classifier")
     reg: float = opt(0.05, "L2 weight on y in the inner loss (strong convexity)")
+    shard_size: int = opt(0, "fewshot: characters per client; 0 = disjoint equal shards, k > 0 = each client draws k "
+                             "(may overlap; needed when clients x n_way exceeds the character pool)")
     eval_episodes: int = opt(100, "fewshot: held-out episodes for accuracy and its 95% CI")
     eval_steps: int = opt(20, "fewshot: head-fitting steps on each held-out episode's support")
     imbalance: float = opt(100.0, "losstune: imbalance ratio rho of the training set (n_c = n_max rho^(-c/(C-1)))")
@@ -44,6 +46,8 @@ class BilevelTaskConfig:
         for k in ("n_way", "k_shot", "q_query", "width", "eval_episodes", "eval_steps", "n_max", "val_per_class"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"task.{k}: must be >= 1, got {getattr(self, k)}")
+        if self.shard_size < 0:
+            raise ConfigError(f"task.shard_size: must be >= 0, got {self.shard_size}")
         if self.k_shot + self.q_query > 20:
             raise ConfigError("task.k_shot + task.q_query: an Omniglot character has 20 drawings")
         if self.imbalance < 1:
@@ -73,6 +77,7 @@ class BilevelFederationConfig:
 class BilevelExperiment:
     name: str = opt("bilevel", "run name")
     seed: int = opt(0, "seed for shards, episodes and initial weights")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps: where the models and data of the task live")
     method: str = opt("rabo", "what runs: rabo | rafbo | fedmbo | static | fedrolex | fiarse | oap (RABO with that "
                               "extraction rule) | dist-protonet | dist-maml (few-shot) | fedavg (loss tuning, untuned); "
                               "`ciders bilevel --methods` runs several")

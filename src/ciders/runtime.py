@@ -12,8 +12,8 @@ from ciders.errors import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """`auto` picks CUDA, then Apple MPS, then the CPU."""
+def resolve_device(name: str = "auto", key: str = "model.device") -> torch.device:
+    """`auto` picks CUDA, then Apple MPS, then the CPU (`key` names the config key in errors)."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -23,9 +23,9 @@ def resolve_device(name: str = "auto") -> torch.device:
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"model.device: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from exc
+        raise ConfigError(f"{key}: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"model.device: {name!r} requested but CUDA is not available here; use device: auto")
+        raise ConfigError(f"{key}: {name!r} requested but CUDA is not available here; use device: auto")
     return dev
 
 

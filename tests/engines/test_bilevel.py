@@ -35,3 +35,23 @@ def test_fewshot_and_losstune_tables(tmp_path, capsys):
 def test_bilevel_config_errors(tmp_path, capsys, args, err):
     assert main(["bilevel", str(ROOT / "configs/cpu/rabo_losstune.yaml"), "--out", str(tmp_path), *args]) == 2
     assert err in capsys.readouterr().err
+
+
+def test_bilevel_device_is_resolved_and_checked(tmp_path, capsys):
+    """`device: auto` resolves here to the CPU; a CUDA device on a machine without one is a clear error."""
+    import torch
+
+    from ciders.config import load_config
+    from ciders.config_bilevel import BilevelExperiment
+    from ciders.engines.bilevel_tasks import build
+
+    shared("cifar10", "cifar10_test.zip")
+    cfg = ROOT / "configs/cpu/rabo_losstune.yaml"
+    small = ["federation.clients=2", "task.n_max=20", "task.imbalance=10", "task.val_per_class=5"]
+    task = build(load_config(cfg, small, cls=BilevelExperiment))
+    want = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert task.device.type == want and all(v.device.type == want for st in task.initial() for v in st.values())
+    if not torch.cuda.is_available():
+        assert main(["bilevel", str(cfg), "--out", str(tmp_path), "--set", "device=cuda:0",
+                     *[x for kv in small for x in ("--set", kv)]]) == 2
+        assert "device: 'cuda:0' requested but CUDA is not available" in capsys.readouterr().err

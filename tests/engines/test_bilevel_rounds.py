@@ -15,46 +15,7 @@ from ciders.core.wire import decode, encode
 from ciders.engines.bilevel import InProcess, run_bilevel
 from ciders.engines.bilevel_rounds import BilevelServer, client_phase, method_config
 from ciders.fileio import read_jsonl
-
-
-class QuadTask:
-    """Client i: g_i = 1/2 |Y A_i - X'|^2-ish quadratic in y (strongly convex), f_i = 1/2 |Y - T_i|^2 + |X|^2 / 20;
-    X [4, 3] (layer `enc`) and Y [5, 4] (layer `head`) so structured masks keep whole rows."""
-
-    def __init__(self, caps=(1.0, 0.5, 0.25), seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.caps = list(caps)
-        self.data = [(torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(5, 6, generator=g, dtype=torch.float64),
-                      torch.randn(5, 4, generator=g, dtype=torch.float64)) for _ in caps]
-        self.evals = []
-
-    def clients(self):
-        return list(self.caps)
-
-    def initial(self):
-        g = torch.Generator().manual_seed(1)
-        return ({"enc.weight": torch.randn(4, 3, generator=g, dtype=torch.float64)},
-                {"head.weight": torch.randn(5, 4, generator=g, dtype=torch.float64)})
-
-    def groups(self):
-        return {}
-
-    def batches(self, i, q, n):
-        return [i] * n
-
-    def outer_batch(self, i, q):
-        return i
-
-    def g(self, x, y, i):
-        A, B, _ = self.data[i]
-        z = x["enc.weight"] @ torch.ones(3, 6, dtype=torch.float64) * 0.1 + A
-        return 0.5 * ((y["head.weight"] @ z - B) ** 2).sum() + 0.05 * (y["head.weight"] ** 2).sum()
-
-    def f(self, x, y, i):
-        return 0.5 * ((y["head.weight"] - self.data[i][2]) ** 2).sum() + 0.05 * (x["enc.weight"] ** 2).sum()
-
-    def evaluate(self, x, y):
-        return {"loss": float(sum(self.f(x, y, i) for i in range(len(self.caps))))}
+from helpers import QuadTask
 
 
 def exp_for(method="rabo", rounds=2, **rabo):

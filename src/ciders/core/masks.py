@@ -137,7 +137,7 @@ def _magnitude_mask(p: torch.Tensor, ratio: float) -> torch.Tensor:
     flat = p.detach().reshape(-1).abs().float()
     k = max(1, round(ratio * flat.numel()))
     keep = torch.argsort(-flat, stable=True)[:k]  # ties to the lower index, as kept_units
-    m = torch.zeros(flat.numel(), dtype=p.dtype)
+    m = torch.zeros(flat.numel(), dtype=p.dtype, device=p.device)
     m[keep] = 1
     return m.view_as(p)
 

@@ -49,8 +49,8 @@ def scatter(kept: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor], 
             raise PayloadError(f"{what}: {k!r} is {tuple(v.shape)} {v.dtype}, expected ({int(m.sum())},) {r.dtype}")
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise PayloadError(f"{what}: {k!r} has NaN or Inf")
-        full = torch.zeros(r.numel(), dtype=r.dtype)
-        full[m] = v
+        full = torch.zeros(r.numel(), dtype=r.dtype, device=r.device)
+        full[m.to(r.device)] = v.to(r.device)
         out[k] = full.view(r.shape)
     return out
 
@@ -84,8 +84,8 @@ def unpack(packed: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], 
         p = pos.long()
         if p.numel() and (int(p.min()) < 0 or int(p.max()) >= n or bool((p[1:] <= p[:-1]).any())):
             raise PayloadError(f"{what}: {k!r} indices must be sorted, unique and in [0, {n})")
-        m = torch.zeros(n, dtype=r.dtype)
-        m[p] = 1
+        m = torch.zeros(n, dtype=r.dtype, device=r.device)
+        m[p.to(r.device)] = 1
         if rows is not None and r.dim() > 1:
             m = m.view(-1, *([1] * (r.dim() - 1))).expand(r.shape).contiguous()
         mask[k] = m.view(r.shape)

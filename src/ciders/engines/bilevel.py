@@ -96,8 +96,8 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
         log(f"round {q + 1}/{rounds}: C_x* {rnd['covering_x']} C_y* {rnd['covering_y']} {ev}")
     s = server.state
     with atomic_path(out / "final.safetensors") as tmp:
-        save_file({**{f"x/{k}": v.contiguous() for k, v in s.x.items()},
-                   **{f"y/{k}": v.contiguous() for k, v in s.y.items()}}, str(tmp))
+        save_file({**{f"x/{k}": v.detach().cpu().contiguous() for k, v in s.x.items()},
+                   **{f"y/{k}": v.detach().cpu().contiguous() for k, v in s.y.items()}}, str(tmp))
     summary = {"method": exp.method, "rounds": rounds, "clients": len(server.caps), "final": ev, **totals,
                "full_bytes_per_client_round": {"down": full_x + 2 * full_y, "up": full_y + full_x}}
     write_json(out / "summary.json", summary)

@@ -65,6 +65,10 @@ class _Counter:
         return self.fn(*a)
 
 
+def _device(st: dict) -> torch.device:
+    return next(iter(st.values())).device
+
+
 def _ones(st: dict) -> dict:
     return {k: torch.ones_like(v) for k, v in st.items()}
 
@@ -154,7 +158,7 @@ class BilevelServer:
         s, rejected, xs, ys = self.state, {}, [], []
         for i in sorted(replies):
             try:
-                comps, meta = decode(replies[i], {"x": s.x, "y": s.y})
+                comps, meta = decode(replies[i], {"x": s.x, "y": s.y}, device=_device(s.x))
                 self._check_meta(meta, "local", i)
                 if set(comps) != {"x", "y"}:
                     raise PayloadError(f"reply must hold x and y, got {sorted(comps)}")
@@ -224,8 +228,8 @@ def client_phase(exp, task, phase: str, i: int, msg: bytes, scratch: MutableMapp
         check(comps["x"], x0, "x")
         check(comps["y"], y0, "y")
         algo = importlib.import_module(FULL[exp.method][0])
-        xn, yn, info = algo.local_update(exp.fedmeta, task, {k: comps["x"][k] for k in x0},
-                                         {k: comps["y"][k] for k in y0}, i, q)
+        xn, yn, info = algo.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
+                                         {k: comps["y"][k].to(v.device) for k, v in y0.items()}, i, q)
         up = encode({"x": xn, "y": yn}, {"round": q, "client": i, "phase": phase})[0]
         calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[i])
         scratch.clear()

@@ -13,6 +13,16 @@ def resnet12_widths(w: int) -> tuple[int, int, int, int]:
     return (w, max(1, round(2.5 * w)), 5 * w, 10 * w)
 
 
+def _to(st: dict, device: torch.device) -> dict:
+    return {k: v.to(device) for k, v in st.items()}
+
+
+def _episode_to(ep, device: torch.device):
+    from dataclasses import fields, replace
+
+    return replace(ep, **{f.name: getattr(ep, f.name).to(device) for f in fields(ep)}) if device.type != "cpu" else ep
+
+
 class FewShotTask:
     """Few-shot hyper-representation (SPEC 2, task 1): x = the backbone's features (`backbone`: conv4 of
     `width` channels, or resnet12 of widths (w, round(2.5 w), 5 w, 10 w), the paper's (64, 160, 320, 640)
@@ -23,11 +33,20 @@ class FewShotTask:
 
     def __init__(self, pool: dict, capacities: list[float], n_way: int = 5, k_shot: int = 1, q_query: int = 5,
                  width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
-                 eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4"):
+                 eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4",
+                 shard_size: int = 0, device: torch.device | str = "cpu"):
         from ciders.tasks import omniglot as om
 
+        self.device = torch.device(device)
+
         self.om, self.pool, self.caps = om, pool, capacities
-        self.shards = om.shard(sorted(pool), len(capacities), seed)
+        self.shards = om.shard(sorted(pool), len(capacities), seed, shard_size)
+        if min(len(sh) for sh in self.shards) < n_way:
+            from ciders.errors import ConfigError
+
+            raise ConfigError(f"a client's shard has {min(len(sh) for sh in self.shards)} characters, fewer than "
+                              f"task.n_way = {n_way} ({len(pool)} characters over {len(capacities)} clients); set "
+                              f"task.shard_size >= {n_way} (overlapping shards) or use fewer clients")
         self.n_way, self.k_shot, self.q_query, self.width, self.reg, self.seed = n_way, k_shot, q_query, width, reg, seed
         self.eval_pool = eval_pool or pool
         self.eval_episodes, self.eval_steps, self.eval_lr = eval_episodes, eval_steps, eval_lr
@@ -48,7 +67,7 @@ class FewShotTask:
             x = vz.resnet12_init(widths=self.widths, seed=self.seed)
         else:
             x = vz.conv4_init(width=self.width, seed=self.seed)
-        return x, vz.linear_init(self.n_way, self.widths[-1])
+        return _to(x, self.device), _to(vz.linear_init(self.n_way, self.widths[-1]), self.device)
 
     def groups(self) -> dict:
         from ciders.models import vision as vz
@@ -66,7 +85,8 @@ class FewShotTask:
             self._episodes, self._round = {}, q
         if i not in self._episodes:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + q * 1009 + i)
-            self._episodes[i] = self.om.episode(self.pool, self.shards[i], self.n_way, self.k_shot, self.q_query, gen)
+            ep = self.om.episode(self.pool, self.shards[i], self.n_way, self.k_shot, self.q_query, gen)
+            self._episodes[i] = _episode_to(ep, self.device)
         return self._episodes[i]
 
     def batches(self, i: int, q: int, n: int) -> list:
@@ -97,10 +117,12 @@ class FewShotTask:
         chars = sorted(self.eval_pool)
         accs = []
         for _ in range(self.eval_episodes):
-            ep = self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen)
+            ep = _episode_to(self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen),
+                             self.device)
             with torch.no_grad():
                 fs, fq = self.features(x, ep.support), self.features(x, ep.query)
-            head = {k: torch.zeros_like(v) for k, v in vz.linear_init(self.n_way, fs.shape[1]).items()}
+            head = {k: torch.zeros_like(v, device=fs.device, dtype=fs.dtype)
+                    for k, v in vz.linear_init(self.n_way, fs.shape[1]).items()}
             for _ in range(self.eval_steps):
                 _, gh = grads(lambda a, b: torch.nn.functional.cross_entropy(vz.linear(b, fs), ep.support_labels),
                               {}, head)
@@ -116,8 +138,11 @@ class LossTuneTask:
     training set; the outer loss is cross-entropy on a balanced validation set (each client its share);
     evaluation is balanced accuracy on the balanced test set."""
 
-    def __init__(self, train, val, test, capacities: list[float], width: int = 32, reg: float = 1e-3, seed: int = 0):
+    def __init__(self, train, val, test, capacities: list[float], width: int = 32, reg: float = 1e-3, seed: int = 0,
+                 device: torch.device | str = "cpu"):
         import torch.nn.functional as F
+
+        self.device = dev = torch.device(device)
 
         self.F, self.caps, self.width, self.reg, self.seed = F, capacities, width, reg, seed
         pool = lambda x: F.avg_pool2d(x, 8).flatten(1)  # noqa: E731
@@ -125,9 +150,9 @@ class LossTuneTask:
         n = len(capacities)
         gen = torch.Generator().manual_seed(seed)
         pt, pv = torch.randperm(len(yt), generator=gen), torch.randperm(len(yv), generator=gen)
-        self.train = [(pool(xt[pt[i::n]]), yt[pt[i::n]]) for i in range(n)]
-        self.val = [(pool(xv[pv[i::n]]), yv[pv[i::n]]) for i in range(n)]
-        self.test = (pool(xs), ys)
+        self.train = [(pool(xt[pt[i::n]]).to(dev), yt[pt[i::n]].to(dev)) for i in range(n)]
+        self.val = [(pool(xv[pv[i::n]]).to(dev), yv[pv[i::n]].to(dev)) for i in range(n)]
+        self.test = (pool(xs).to(dev), ys.to(dev))
 
     def clients(self) -> list[float]:
         return list(self.caps)
@@ -137,7 +162,8 @@ class LossTuneTask:
         y = {"fc1.weight": torch.randn(self.width, 48, generator=g) * (2 / 48) ** 0.5,
              "fc1.bias": torch.zeros(self.width), "head.weight": torch.randn(10, self.width, generator=g) * 0.1,
              "head.bias": torch.zeros(10)}
-        return {"w": torch.ones(10), "l": torch.zeros(10), "delta": torch.ones(10)}, y
+        x = {"w": torch.ones(10), "l": torch.zeros(10), "delta": torch.ones(10)}
+        return _to(x, self.device), _to(y, self.device)
 
     def groups(self) -> dict:
         return {}
@@ -177,8 +203,11 @@ def build(cfg):
 
     from ciders.tasks.paths import resolve
 
+    from ciders.runtime import resolve_device
+
     t, caps = cfg.task, cfg.federation.client_capacities()
     root = Path(resolve(t.data))
+    dev = resolve_device(cfg.device, "device")
     if t.kind == "fewshot":
         from ciders.tasks import omniglot as om
 
@@ -186,7 +215,8 @@ def build(cfg):
         held = om.load_characters(root / "images_background_small2.zip")
         held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
         return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
-                           eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone)
+                           eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
+                           shard_size=t.shard_size, device=dev)
     from ciders.tasks import longtail as lt
 
     xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")
@@ -194,4 +224,4 @@ def build(cfg):
     tr = lt.per_class_subset(ys, lt.long_tail_counts(t.n_max, 10, t.imbalance))
     va = lt.per_class_subset(yt, [t.val_per_class] * 10)
     te = lt.per_class_subset(yt, [1000 - t.val_per_class] * 10, offset=t.val_per_class)
-    return LossTuneTask((xs[tr], ys[tr]), (xt[va], yt[va]), (xt[te], yt[te]), caps, t.width, t.reg, cfg.seed)
+    return LossTuneTask((xs[tr], ys[tr]), (xt[va], yt[va]), (xt[te], yt[te]), caps, t.width, t.reg, cfg.seed, device=dev)

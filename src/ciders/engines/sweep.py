@@ -33,12 +33,12 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     return grid
 
 
-def points(cfg: ExperimentConfig, grid: list[tuple[str, list[str]]]) -> list[tuple[str, ExperimentConfig]]:
+def points(cfg, grid: list[tuple[str, list[str]]], cls: type = ExperimentConfig) -> list[tuple[str, object]]:
     """(name, config) for every grid point; values are checked like `--set` overrides."""
     out = []
     for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid]):
         over = [f"{k}={v}" for k, v in combo]
-        c = from_dict(ExperimentConfig, apply_overrides(to_dict(cfg), over)).validate()
+        c = from_dict(cls, apply_overrides(to_dict(cfg), over, cls=cls)).validate()
         out.append((",".join(over), c))
     return out
 

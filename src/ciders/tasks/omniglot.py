@@ -46,8 +46,15 @@ def load_characters(zip_path: str | Path, size: int = 28) -> dict[str, torch.Ten
     return {c: torch.stack([_image(b, size) for _, b in sorted(files)]) for c, files in sorted(groups.items())}
 
 
-def shard(characters: list[str], n_clients: int, seed: int) -> list[list[str]]:
-    """Disjoint, near-equal shards of characters (a seeded permutation dealt round-robin)."""
+def shard(characters: list[str], n_clients: int, seed: int, size: int = 0) -> list[list[str]]:
+    """Disjoint, near-equal shards of characters (a seeded permutation dealt round-robin); with `size` > 0,
+    each client instead draws its own `size` characters (seeded per client; shards may overlap: for more
+    clients x classes than the shipped character pool holds, e.g. 20-way or 50 clients at CPU scale)."""
+    if size > 0:
+        if size > len(characters):
+            raise CidersError(f"shard size {size} is more than the {len(characters)} characters")
+        return [sorted(characters[j] for j in torch.randperm(len(characters), generator=torch.Generator().manual_seed(
+            seed * 7919 + i)).tolist()[:size]) for i in range(n_clients)]
     if n_clients < 1 or n_clients > len(characters):
         raise CidersError(f"cannot shard {len(characters)} characters over {n_clients} clients")
     perm = torch.randperm(len(characters), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -75,14 +75,19 @@ class FlowerExchange:
         return replies
 
 
+def build_task(exp):
+    from ciders.engines.bilevel_tasks import build
+
+    return build(exp)
+
+
 def serve(grid: Grid, spec: dict, log=print) -> dict:
     from ciders.config import loads_config
     from ciders.config_bilevel import BilevelExperiment
     from ciders.engines.bilevel import run_bilevel
-    from ciders.engines.bilevel_tasks import build
 
     exp = loads_config(spec["config_text"], "the bilevel experiment", cls=BilevelExperiment)
-    return run_bilevel(exp, build(exp), spec["out"], log=log,
+    return run_bilevel(exp, build_task(exp), spec["out"], log=log,
                        exchange=FlowerExchange(grid, spec["config_text"], exp, log))
 
 
@@ -115,11 +120,10 @@ def _task(cfg_text: str):
     if key not in _TASKS:
         from ciders.config import loads_config
         from ciders.config_bilevel import BilevelExperiment
-        from ciders.engines.bilevel_tasks import build
 
         exp = loads_config(cfg_text, "the bilevel experiment the server sent", cls=BilevelExperiment)
         _TASKS.clear()  # one experiment per process at a time
-        _TASKS[key] = (exp, build(exp))
+        _TASKS[key] = (exp, build_task(exp))
     return _TASKS[key]
 
 
