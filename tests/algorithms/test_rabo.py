@@ -104,3 +104,13 @@ def test_config_errors_name_the_key():
         rb.RaboConfig(coordinates=True).validate()
     with pytest.raises(ValueError, match="T = 5"):
         rb.inner_update(rb.RaboConfig(), start(), rb.client_masks(rb.RaboConfig(), start(), 1.0), losses(clients()[0])[1], [None])
+
+
+def test_inner_phase_evaluates_g_once_per_step():
+    cfg = rb.RaboConfig(inner_steps=4, beta=0.05).validate()
+    cs, s = clients(), start()
+    f, g = losses(cs[0])
+    calls = []
+    m = rb.client_masks(cfg, s, 0.5)
+    G, info = rb.inner_update(cfg, s, m, lambda *a: calls.append(1) or g(*a), [None] * 4)
+    assert len(calls) == 4 and set(G) == {"Y"}

@@ -82,3 +82,20 @@ def test_truncated_solvers_are_worse_and_bad_input_fails():
         hg.hypergradient(f, g, x, y, solver="lbfgs")
     with pytest.raises(ValueError, match="positive definite"):
         hg.solve_cg(lambda v: {k: -t for k, t in v.items()}, {"z": torch.ones(3, dtype=torch.float64)}, 3)
+
+
+def test_value_and_grad_y_is_grads_y_without_the_backward_through_x():
+    g_ = torch.Generator().manual_seed(3)
+    x = {"W": torch.randn(4, 3, generator=g_, dtype=torch.float64)}
+    y = {"V": torch.randn(2, 4, generator=g_, dtype=torch.float64)}
+    a = torch.randn(3, 5, generator=g_, dtype=torch.float64)
+
+    def fn(xx, yy):
+        return (torch.tanh(yy["V"] @ torch.tanh(xx["W"] @ a)) ** 2).sum()
+
+    value, gy = hg.value_and_grad_y(fn, x, y)
+    _, want = hg.grads(fn, x, y)
+    assert torch.equal(gy["V"], want["V"]) and value == float(fn(x, y))
+    seen = []
+    hg.value_and_grad_y(lambda xx, yy: seen.append(xx["W"].requires_grad) or fn(xx, yy), x, y)
+    assert seen == [False]  # x is a constant of the step

@@ -55,3 +55,17 @@ def test_bilevel_device_is_resolved_and_checked(tmp_path, capsys):
         assert main(["bilevel", str(cfg), "--out", str(tmp_path), "--set", "device=cuda:0",
                      *[x for kv in small for x in ("--set", kv)]]) == 2
         assert "device: 'cuda:0' requested but CUDA is not available" in capsys.readouterr().err
+
+
+def test_paper_scale_fewshot_config_runs_a_tiny_round_on_cpu(tmp_path):
+    """configs/paper/rabo_table2.yaml (ResNet12, overlapping shards) end to end at width 4, one round:
+    RABO, the OAP baseline and Dist-MAML."""
+    shared("omniglot", "images_background_small1.zip")
+    tiny = ["federation.clients=3", "federation.rounds=1", "task.width=4", "task.eval_episodes=3", "task.eval_steps=3",
+            "rabo.inner_steps=1", "rabo.solver_iters=2", "fedmeta.local_steps=1", "task.q_query=2", "device=cpu"]
+    args = [x for kv in tiny for x in ("--set", kv)]
+    assert main(["bilevel", str(ROOT / "configs/paper/rabo_table2.yaml"), "--out", str(tmp_path), "--methods",
+                 "rabo,oap,dist-maml", *args]) == 0
+    res = json.loads((tmp_path / "bilevel.json").read_text())
+    assert all(0 <= r["final"]["accuracy"] <= 1 and r["calls"] > 0 for r in res.values())
+    assert res["rabo"]["bytes_up"] < res["dist-maml"]["bytes_up"]

@@ -98,7 +98,8 @@ def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, groups: 
 
 def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss, batches: Sequence
                  ) -> tuple[State, dict]:
-    """T masked steps on y; returns G^i = sum_t G_t (only the masked coordinates are non-zero)."""
+    """T masked steps on y; returns G^i = sum_t G_t (only the masked coordinates are non-zero) and the
+    mean inner loss over the steps (each at the y its gradient was taken at: one g evaluation per step)."""
     if len(batches) != cfg.inner_steps:
         raise ValueError(f"inner_update needs T = {cfg.inner_steps} batches, got {len(batches)}")
     x = mk.apply_mask(state.x, m.x)
@@ -106,11 +107,11 @@ def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss
     total = {k: torch.zeros_like(v) for k, v in y.items()}
     losses = []
     for batch in batches:
-        gx, gy = hg.grads(lambda a, b: g(a, b, batch), x, y)
+        loss, gy = hg.value_and_grad_y(lambda a, b: g(a, b, batch), x, y)
         gm = mk.apply_mask(gy, m.y)
         y = lincomb([(1.0, y), (-cfg.beta, gm)])
         total = lincomb([(1.0, total), (1.0, gm)])
-        losses.append(float(g(x, y, batch)))
+        losses.append(loss)
     return total, {"inner_loss": sum(losses) / len(losses)}
 
 

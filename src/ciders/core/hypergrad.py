@@ -44,6 +44,16 @@ def grads(fn: BiLoss, x: State, y: State, create_graph: bool = False) -> tuple[S
     return gx, gy
 
 
+def value_and_grad_y(fn: BiLoss, x: State, y: State) -> tuple[float, State]:
+    """(fn(x, y), grad_y fn) with x held constant: no backward pass through x's part of the graph (for a
+    feature extractor x and a head y, the inner step never differentiates the backbone)."""
+    yl = _leaf(y)
+    out = fn({k: v.detach() for k, v in x.items()}, yl)
+    gs = torch.autograd.grad(out, list(yl.values()), allow_unused=True)
+    return float(out.detach()), {k: (torch.zeros_like(p) if g is None else g).detach()
+                                 for (k, p), g in zip(yl.items(), gs)}
+
+
 def _second(g: BiLoss, x: State, y: State, v: State) -> tuple[State, State]:
     """(grad^2_xy g v, grad^2_yy g v) by one double backward of <grad_y g, v>."""
     xl, yl = _leaf(x), _leaf(y)
