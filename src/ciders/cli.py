@@ -86,9 +86,26 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _is_bilevel_config(path: str) -> bool:
+    import yaml
+
+    from ciders.engines.flower.bilevel import is_bilevel
+
+    p = Path(path)
+    try:
+        return p.is_file() and is_bilevel(yaml.safe_load(p.read_text()) or {})
+    except yaml.YAMLError:
+        return False  # load_config reports it
+
+
 def _cmd_compare(a: argparse.Namespace) -> int:
     from ciders.engines.compare import parse_methods, parse_seeds, run_compare
 
+    if _is_bilevel_config(a.config):  # a RABO-family experiment: `ciders bilevel --seeds`
+        a.methods, a.grid, a.engine = a.algorithms or "rabo,rafbo,fedmbo", [], "local"
+        a.seeds = a.seeds or "0"
+        return _cmd_bilevel(a)
+    a.algorithms = a.algorithms or "ciders-fo,ciders-fd,fedbiot,fedot,localot"
     cfg = _load_cfg(a)
     methods, seeds = parse_methods(a.algorithms), parse_seeds(a.seeds)
     out = Path(a.out) if a.out else Path("runs") / f"compare-{cfg.name}"
@@ -297,8 +314,10 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")
     _experiment_args(p, "experiment YAML (the shared settings; each method fixes its own knobs)",
                      "comparison directory (default runs/compare-<name>); finished runs are reused")
-    p.add_argument("--algorithms", default="ciders-fo,ciders-fd,fedbiot,fedot,localot",
-                   help="comma-separated: ciders-fo, ciders-fd, fedavg, fedprox, scaffold, fedot, fedbiot, localot")
+    p.add_argument("--algorithms", default=None,
+                   help="comma-separated: ciders-fo, ciders-fd, fedavg, fedprox, scaffold, fedot, fedbiot, localot "
+                        "(default ciders-fo,ciders-fd,fedbiot,fedot,localot); for a RABO-family config the "
+                        "`ciders bilevel --methods` names (default rabo,rafbo,fedmbo)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (mean +- std over them)")
     p.set_defaults(fn=_cmd_compare)
 

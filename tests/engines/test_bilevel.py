@@ -69,3 +69,27 @@ def test_paper_scale_fewshot_config_runs_a_tiny_round_on_cpu(tmp_path):
     res = json.loads((tmp_path / "bilevel.json").read_text())
     assert all(0 <= r["final"]["accuracy"] <= 1 and r["calls"] > 0 for r in res.values())
     assert res["rabo"]["bytes_up"] < res["dist-maml"]["bytes_up"]
+
+
+def test_compare_and_grid_tables_over_seeds(tmp_path, capsys):
+    """`ciders compare` on a bilevel config is the methods x seeds table; `ciders bilevel --grid` adds one
+    column per point; finished runs are reused."""
+    shared("cifar10", "cifar10_test.zip")
+    cfg = str(ROOT / "configs/cpu/rabo_losstune.yaml")
+    small = [x for kv in ["federation.clients=2", "federation.rounds=1", "task.n_max=20", "task.imbalance=10",
+                          "task.val_per_class=5"] for x in ("--set", kv)]
+    assert main(["compare", cfg, "--out", str(tmp_path / "c"), "--algorithms", "rabo,fedmbo,fedavg", "--seeds", "0,1",
+                 *small]) == 0
+    res = json.loads((tmp_path / "c" / "table.json").read_text())
+    rows = {r["method"]: r for r in res["rows"]}
+    assert res["seeds"] == [0, 1] and len(rows["rabo"]["points"]["default"]["seeds"]) == 2
+    assert rows["fedmbo"]["relative_to_fedmbo"]["bytes_up"] == 1.0 and rows["rabo"]["relative_to_fedmbo"]["bytes_up"] < 1
+    runs = sorted(p.parent.name for p in (tmp_path / "c").glob("default/seed*/*/summary.json"))
+    assert runs == ["fedavg", "fedavg", "fedmbo", "fedmbo", "rabo", "rabo"]
+    assert main(["bilevel", cfg, "--out", str(tmp_path / "c"), "--methods", "rabo,fedmbo,fedavg", "--seeds", "0,1",
+                 *small]) == 0
+    assert "running nothing (reused)" in capsys.readouterr().out
+    assert main(["bilevel", cfg, "--out", str(tmp_path / "g"), "--methods", "rabo,fedmbo", "--grid",
+                 "task.imbalance=10,50", *small]) == 0
+    md = (tmp_path / "g" / "table.md").read_text()
+    assert "| task.imbalance=10 | task.imbalance=50 |" in md and "| fedmbo |" in md
