@@ -19,6 +19,7 @@ def test_fewshot_and_losstune_tables(tmp_path, capsys):
     assert all(f"| {m} |" in md for m in ("rabo", "rafbo", "fedmbo"))
     res = json.loads((tmp_path / "fs" / "bilevel.json").read_text())
     assert res["rabo"]["bytes_up"] < res["fedmbo"]["bytes_up"] and res["rabo"]["calls"] > 0
+    assert 0 <= res["rabo"]["final"]["official_runs_accuracy"] <= 1  # the 20 official 20-way one-shot runs
     assert "| fedmbo | " in md and "| 3 | 1.000 |" in md  # FedMBO: every client trains all of x
     lt = ["--set", "federation.clients=3", "--set", "federation.rounds=1", "--set", "task.n_max=40",
           "--set", "task.imbalance=10", "--set", "task.val_per_class=5", "--methods", "rabo,fedmbo"]

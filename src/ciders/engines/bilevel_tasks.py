@@ -27,17 +27,19 @@ class FewShotTask:
     """Few-shot hyper-representation (SPEC 2, task 1): x = the backbone's features (`backbone`: conv4 of
     `width` channels, or resnet12 of widths (w, round(2.5 w), 5 w, 10 w), the paper's (64, 160, 320, 640)
     at width 64), y = a linear head; the inner loss is support cross-entropy + (reg / 2)|y|^2 (strongly
-    convex in y), the outer one query cross-entropy. Clients hold disjoint shards of characters;
+    convex in y), the outer one query cross-entropy. Clients hold shards of characters (disjoint, or
+    `shard_size` drawn each, overlapping);
     evaluation fits a fresh head on each held-out episode's support (`eval_steps` gradient steps) and
     reports query accuracy with a 95% CI."""
 
     def __init__(self, pool: dict, capacities: list[float], n_way: int = 5, k_shot: int = 1, q_query: int = 5,
                  width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
                  eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4",
-                 shard_size: int = 0, device: torch.device | str = "cpu"):
+                 shard_size: int = 0, device: torch.device | str = "cpu", official_runs: list | None = None):
         from ciders.tasks import omniglot as om
 
         self.device = torch.device(device)
+        self.official_runs = official_runs or []
 
         self.om, self.pool, self.caps = om, pool, capacities
         self.shards = om.shard(sorted(pool), len(capacities), seed, shard_size)
@@ -110,26 +112,38 @@ class FewShotTask:
 
         return F.cross_entropy(vz.linear(y, self.features(x, ep.query)), ep.query_labels)
 
-    def evaluate(self, x, y) -> dict:
+    def _score(self, x, ep, n_way: int) -> float:
+        """Query accuracy of a fresh head fitted on the episode's support (`eval_steps` steps)."""
         from ciders.models import vision as vz
 
+        ep = _episode_to(ep, self.device)
+        with torch.no_grad():
+            fs, fq = self.features(x, ep.support), self.features(x, ep.query)
+        head = {k: torch.zeros_like(v, device=fs.device, dtype=fs.dtype)
+                for k, v in vz.linear_init(n_way, fs.shape[1]).items()}
+        for _ in range(self.eval_steps):
+            _, gh = grads(lambda a, b: torch.nn.functional.cross_entropy(vz.linear(b, fs), ep.support_labels), {}, head)
+            head = {k: head[k] - self.eval_lr * gh[k] for k in head}
+        return float((vz.linear(head, fq).argmax(1) == ep.query_labels).float().mean())
+
+    def evaluate(self, x, y) -> dict:
+        """Accuracy with a 95% CI over `eval_episodes` held-out N-way K-shot episodes, and (when the task has
+        them) over the 20 official 20-way one-shot runs of Lake et al."""
         gen = torch.Generator().manual_seed(self.seed + 7)
         chars = sorted(self.eval_pool)
-        accs = []
-        for _ in range(self.eval_episodes):
-            ep = _episode_to(self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen),
-                             self.device)
-            with torch.no_grad():
-                fs, fq = self.features(x, ep.support), self.features(x, ep.query)
-            head = {k: torch.zeros_like(v, device=fs.device, dtype=fs.dtype)
-                    for k, v in vz.linear_init(self.n_way, fs.shape[1]).items()}
-            for _ in range(self.eval_steps):
-                _, gh = grads(lambda a, b: torch.nn.functional.cross_entropy(vz.linear(b, fs), ep.support_labels),
-                              {}, head)
-                head = {k: head[k] - self.eval_lr * gh[k] for k in head}
-            accs.append(float((vz.linear(head, fq).argmax(1) == ep.query_labels).float().mean()))
-        t = torch.tensor(accs)
-        return {"accuracy": float(t.mean()), "ci95": float(1.96 * t.std() / len(accs) ** 0.5), "episodes": len(accs)}
+        accs = [self._score(x, self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen),
+                            self.n_way) for _ in range(self.eval_episodes)]
+        out = _mean_ci(accs)
+        out["episodes"] = len(accs)
+        if self.official_runs:
+            off = _mean_ci([self._score(x, ep, 20) for ep in self.official_runs])
+            out.update({"official_runs_accuracy": off["accuracy"], "official_runs_ci95": off["ci95"]})
+        return out
+
+
+def _mean_ci(accs: list[float]) -> dict:
+    t = torch.tensor(accs)
+    return {"accuracy": float(t.mean()), "ci95": float(1.96 * t.std() / len(accs) ** 0.5) if len(accs) > 1 else 0.0}
 
 
 class LossTuneTask:
@@ -216,7 +230,8 @@ def build(cfg):
         held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
         return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
                            eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
-                           shard_size=t.shard_size, device=dev)
+                           shard_size=t.shard_size, device=dev,
+                           official_runs=om.one_shot_runs(root / "all_runs.zip") if (root / "all_runs.zip").is_file() else None)
     from ciders.tasks import longtail as lt
 
     xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")
