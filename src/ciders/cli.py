@@ -51,7 +51,7 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else Path("runs") / exp.name
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if a.seeds is None and not a.grid:
-        run_experiment(exp, out, methods, engine=a.engine)
+        run_experiment(exp, out, methods, engine=a.engine, resume=getattr(a, "resume", False))
         print((out / "bilevel.md").read_text())
     else:
         from ciders.engines.bilevel_table import run_table
@@ -309,6 +309,8 @@ def parser() -> argparse.ArgumentParser:
                         "federation.clients=10,20,30,50: scalability); one table column per point")
     p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
                    help="local: this process; flower-sim: Flower's simulation runtime (Ray), the same numbers")
+    p.add_argument("--resume", action="store_true",
+                   help="continue each method from its last checkpoint (same config); tables always do")
     p.set_defaults(fn=_cmd_bilevel)
 
     p = sub.add_parser("compare", help="run several methods x seeds on the same data; write a Table III-shaped table")

@@ -136,3 +136,28 @@ def test_method_errors_name_the_problem():
         exp_for("fedavg")
     with pytest.raises(ConfigError, match="runs rabo.method rafbo"):
         replace(BilevelExperiment(), method="rafbo").validate()
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_numbers(tmp_path):
+    """The server dies in round 2's outer phase; `resume` continues from round 1's checkpoint and ends with
+    the same metrics.jsonl and final state as a run that never stopped. A changed config starts afresh."""
+    exp, task = exp_for("rabo", rounds=4), QuadTask()
+    run_bilevel(exp, task, tmp_path / "whole", log=lambda s: None)
+
+    class Crash(InProcess):
+        def __call__(self, phase, q, messages):
+            if (q, phase) == (2, "outer"):
+                raise KeyboardInterrupt("server killed")
+            return super().__call__(phase, q, messages)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bilevel(exp, task, tmp_path / "cut", log=lambda s: None, exchange=Crash(exp, task))
+    logs = []
+    run_bilevel(exp, task, tmp_path / "cut", log=logs.append, resume=True)
+    assert any("resuming after round 1" in line for line in logs)
+    for f in ("metrics.jsonl", "final.safetensors"):
+        assert (tmp_path / "whole" / f).read_bytes() == (tmp_path / "cut" / f).read_bytes(), f
+    other = replace(exp, rabo=replace(exp.rabo, alpha=0.2))
+    logs = []
+    run_bilevel(other, task, tmp_path / "cut", log=logs.append, resume=True)
+    assert any("another config; starting afresh" in line for line in logs)

@@ -22,11 +22,16 @@ evaluate(x, y) -> metrics.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 from pathlib import Path
 from typing import Callable, Protocol
 
+from safetensors.torch import save_file
+
 from ciders.engines.bilevel_rounds import BilevelServer, client_phase
-from ciders.fileio import append_jsonl, atomic_path, write_json
+from ciders.fileio import append_jsonl, atomic_path, read_jsonl, write_json, write_text
 
 Replies = dict[int, tuple[bytes, dict]]
 
@@ -52,26 +57,41 @@ class InProcess:
         return out
 
 
-def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, exchange: Exchange | None = None
-                ) -> dict:
-    """One run of `exp.rabo.method` (rounds = exp.federation.rounds); returns the summary."""
-    from safetensors.torch import save_file
-
+def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, exchange: Exchange | None = None,
+                resume: bool = False) -> dict:
+    """One run of `exp.method` (rounds = exp.federation.rounds); returns the summary. Every round ends with
+    an atomic checkpoint (OUT/checkpoints: x, y, totals, the config's digest; `engines.rundir`); `resume` continues from it when
+    the config is the same (episodes and masks depend only on the seed, the round and the state, so a
+    resumed run equals an uninterrupted one), and otherwise starts afresh."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     metrics, timing = out / "metrics.jsonl", out / "timing.jsonl"
-    metrics.unlink(missing_ok=True)
-    timing.unlink(missing_ok=True)
     exchange = exchange or InProcess(exp, task)
     server = BilevelServer(exp, task, log=log)
     s0 = server.state
     full_x = sum(v.numel() * v.element_size() for v in s0.x.values())
     full_y = sum(v.numel() * v.element_size() for v in s0.y.values())
-    ev = server.evaluate()
-    append_jsonl(metrics, {"event": "eval", "round": -1, **ev})
-    totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
+    digest = _digest(exp)
+    ck = _load_checkpoint(out, digest, s0) if resume else None
+    if ck is None:
+        if resume and (out / "checkpoints").is_dir():
+            log(f"{out}: the checkpoint is of another config; starting afresh")
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        metrics.unlink(missing_ok=True)
+        timing.unlink(missing_ok=True)
+        ev = server.evaluate()
+        append_jsonl(metrics, {"event": "eval", "round": -1, **ev})
+        totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
+        first = 0
+    else:
+        server.state, totals, ev = ck
+        first = server.state.round
+        for f in (metrics, timing):  # records of the round the checkpoint does not hold are dropped
+            keep = [r for r in read_jsonl(f) if r.get("round", -1) < first] if f.is_file() else []
+            write_text(f, "".join(json.dumps(r) + "\n" for r in keep))
+        log(f"{out}: resuming after round {first - 1}")
     rounds = exp.federation.rounds
-    for q in range(rounds):
+    for q in range(first, rounds):
         server.begin(q)
         for phase in server.phases:
             msgs = {i: server.down(phase, i) for i in server.participants(phase)}
@@ -93,23 +113,64 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
         append_jsonl(metrics, rnd)
         ev = server.evaluate()
         append_jsonl(metrics, {"event": "eval", "round": q, **ev})
+        _save_checkpoint(out, server.state, totals, ev, digest)
         log(f"round {q + 1}/{rounds}: C_x* {rnd['covering_x']} C_y* {rnd['covering_y']} {ev}")
     s = server.state
     with atomic_path(out / "final.safetensors") as tmp:
-        save_file({**{f"x/{k}": v.detach().cpu().contiguous() for k, v in s.x.items()},
-                   **{f"y/{k}": v.detach().cpu().contiguous() for k, v in s.y.items()}}, str(tmp))
+        save_file(_flat(s), str(tmp))
     summary = {"method": exp.method, "rounds": rounds, "clients": len(server.caps), "final": ev, **totals,
                "full_bytes_per_client_round": {"down": full_x + 2 * full_y, "up": full_y + full_x}}
     write_json(out / "summary.json", summary)
     return summary
 
 
+def _digest(exp) -> str:
+    from ciders.config import dump_yaml
+
+    return hashlib.sha256(dump_yaml(exp).encode()).hexdigest()
+
+
+def _flat(s) -> dict:
+    return {**{f"x/{k}": v.detach().cpu().contiguous() for k, v in s.x.items()},
+            **{f"y/{k}": v.detach().cpu().contiguous() for k, v in s.y.items()}}
+
+
+def _save_checkpoint(out: Path, s, totals: dict, ev: dict, digest: str) -> None:
+    """Round s.round - 1 committed: checkpoints/round_<n>/ then the LATEST pointer (`engines.rundir`)."""
+    from ciders.engines.rundir import RunDir
+
+    RunDir(out).save_checkpoint(s.round - 1, _flat(s), {"round": s.round, "totals": totals, "eval": ev,
+                                                        "config": digest}, keep=2)
+
+
+def _load_checkpoint(out: Path, digest: str, s0):
+    """(state, totals, last eval) of the last committed round, or None if there is none or it is of
+    another config."""
+    from ciders.algorithms.rabo import BilevelState
+    from ciders.engines.rundir import RunDir
+    from ciders.errors import CidersError
+
+    rd = RunDir(out)
+    t = rd.committed()
+    if t is None:
+        return None
+    tensors, meta = rd.load_checkpoint(t)
+    if meta.get("config") != digest:
+        return None
+    try:
+        x = {k: tensors[f"x/{k}"].to(v.device) for k, v in s0.x.items()}
+        y = {k: tensors[f"y/{k}"].to(v.device) for k, v in s0.y.items()}
+    except KeyError as exc:
+        raise CidersError(f"{out}: the checkpoint of round {t} lacks {exc}; the run directory is damaged") from exc
+    return BilevelState(int(meta["round"]), x, y), meta["totals"], meta["eval"]
+
+
 def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str], None] = print,
-                   engine: str = "local") -> dict:
+                   engine: str = "local", resume: bool = False) -> dict:
     """Every method of `methods` (rabo, rafbo, fedmbo) on the same task and data; writes OUT/<method>/ and
     OUT/bilevel.md: the final metric and compute / communication relative to FedMBO (Table II shape).
     `engine`: local (this process) or flower-sim (Flower's simulation runtime, one virtual SuperNode per
-    client; the same numbers)."""
+    client; the same numbers). `resume`: each method continues from its checkpoint (same config only)."""
     from ciders.config import dump_yaml
     from ciders.engines.bilevel_rounds import method_config
     from ciders.engines.bilevel_tasks import build
@@ -127,11 +188,11 @@ def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str]
         write_text(out / m / "config.yaml", dump_yaml(cfg))
         log(f"== {m}")
         if engine == "local":
-            results[m] = run_bilevel(cfg, task, out / m, log=log)
+            results[m] = run_bilevel(cfg, task, out / m, log=log, resume=resume)
         else:
             from ciders.engines.flower.bilevel import run_simulation
 
-            results[m] = run_simulation(cfg, out / m, log=log)
+            results[m] = run_simulation(cfg, out / m, log=log, resume=resume)
     write_text(out / "bilevel.md", table(results, out))
     write_json(out / "bilevel.json", results)
     return results

@@ -47,7 +47,7 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
             todo = [m for m in methods if not _done(d / m, dump_yaml(method_config(cs, m)))]
             log(f"== point {k + 1}/{len(pts)} {name}, seed {seed}: running {', '.join(todo) or 'nothing (reused)'}")
             if todo:
-                run_experiment(cs, d, todo, log=log, engine=engine)
+                run_experiment(cs, d, todo, log=log, engine=engine, resume=True)  # an interrupted run goes on
             for m in methods:
                 cells[(name, seed, m)] = json.loads((d / m / "summary.json").read_text())
     result = {"methods": methods, "seeds": seeds, "points": [n for n, _ in pts], "rows": _rows(cells, pts, methods, seeds)}

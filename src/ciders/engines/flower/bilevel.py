@@ -10,7 +10,7 @@ payloads. A client that does not answer misses that phase, as a lost reply in-pr
 Client side (`handle`, from `engines.flower.client_app`): builds the task from the config it is sent and
 runs `engines.bilevel_rounds.client_phase`; what it keeps between the inner and the outer phase lives in
 its state directory (`DirScratch`), because Flower may start a new ClientApp process per message.
-Resume after a ServerApp restart is not implemented for the bilevel family (a run restarts from round 0).
+After a ServerApp restart, `resume=true` (run config) continues from the run directory's last checkpoint.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
     from ciders.engines.bilevel import run_bilevel
 
     exp = loads_config(spec["config_text"], "the bilevel experiment", cls=BilevelExperiment)
-    return run_bilevel(exp, build_task(exp), spec["out"], log=log,
+    return run_bilevel(exp, build_task(exp), spec["out"], log=log, resume=bool(spec.get("resume")),
                        exchange=FlowerExchange(grid, spec["config_text"], exp, log))
 
 
@@ -144,7 +144,7 @@ def handle(msg: Message, cid: str, state: Path) -> Message:
     return Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=msg)
 
 
-def run_simulation(exp, out: str | Path, log=print) -> dict:
+def run_simulation(exp, out: str | Path, log=print, resume: bool = False) -> dict:
     """One bilevel run on Flower's simulation runtime (Ray), one virtual SuperNode per client."""
     from flwr.simulation import run_simulation as flwr_run_simulation
 
@@ -156,7 +156,7 @@ def run_simulation(exp, out: str | Path, log=print) -> dict:
     out = Path(out)
     summary_path = out / "summary.json"
     summary_path.unlink(missing_ok=True)
-    spec = {"config_text": dump_yaml(exp), "out": str(out.resolve()), "resume": False,
+    spec = {"config_text": dump_yaml(exp), "out": str(out.resolve()), "resume": resume,
             "clients_root": str((out / "flower-clients").resolve())}
     fc = exp.flower
     backend = {"client_resources": {"num_cpus": fc.client_cpus, "num_gpus": fc.client_gpus}}
