@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from ciders.fileio import write_json, write_text
+from ciders.fileio import read_jsonl, write_json, write_text
 
 
 def _metric(final: dict) -> tuple[float, float]:
@@ -49,7 +49,9 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
             if todo:
                 run_experiment(cs, d, todo, log=log, engine=engine, resume=True)  # an interrupted run goes on
             for m in methods:
-                cells[(name, seed, m)] = json.loads((d / m / "summary.json").read_text())
+                cells[(name, seed, m)] = cell = json.loads((d / m / "summary.json").read_text())
+                rounds = [r for r in read_jsonl(d / m / "metrics.jsonl") if r["event"] == "round"]
+                cell["covering_x_min"] = min(r["covering_x"] for r in rounds)
     result = {"methods": methods, "seeds": seeds, "points": [n for n, _ in pts], "rows": _rows(cells, pts, methods, seeds)}
     write_json(out / "table.json", result)
     write_text(out / "table.md", render(result))
@@ -82,21 +84,22 @@ def _rows(cells: dict, pts, methods, seeds) -> list[dict]:
                     if ref and ref[key]:
                         ratios[key].append(cells[(name, s, m)][key] / ref[key])
         row["relative_to_fedmbo"] = {k: statistics.fmean(v) if v else None for k, v in ratios.items()}
+        row["covering_x_min"] = min(cells[(name, s, m)].get("covering_x_min", 0) for name, _ in pts for s in seeds)
         rows.append(row)
     return rows
 
 
 def render(result: dict) -> str:
     pts = result["points"]
-    head = "| method | " + " | ".join(pts) + " | op estimate / FedMBO | measured s / FedMBO | uplink / FedMBO " \
-           "| downlink / FedMBO |"
+    head = "| method | " + " | ".join(pts) + " | C_x* (min) | op estimate / FedMBO | measured s / FedMBO " \
+           "| uplink / FedMBO | downlink / FedMBO |"
     lines = [f"Final metric in % (mean ± std over seeds {', '.join(map(str, result['seeds']))}; in brackets the "
              "mean 95% CI over test episodes). Ratios: mean over points and seeds of method / FedMBO.", "",
-             head, "|---" * (len(pts) + 5) + "|"]
+             head, "|---" * (len(pts) + 6) + "|"]
     for r in result["rows"]:
         cells = [f"{c['mean']:.2f} ± {c['std']:.2f} [±{c['ci95']:.2f}]" for c in (r["points"][p] for p in pts)]
         rel = [f"{v:.3f}" if v is not None else "-" for v in r["relative_to_fedmbo"].values()]
-        lines.append(f"| {r['method']} | " + " | ".join(cells + rel) + " |")
+        lines.append(f"| {r['method']} | " + " | ".join(cells + [str(r.get("covering_x_min", "-"))] + rel) + " |")
     if all("official_runs" in r["points"][p] for r in result["rows"] for p in pts):
         lines += ["", "The same feature extractors on the 20 official 20-way one-shot runs (Lake et al.), accuracy in %:",
                   "", "| method | " + " | ".join(pts) + " |", "|---" * (len(pts) + 1) + "|"]
