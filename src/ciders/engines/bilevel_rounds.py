@@ -232,12 +232,9 @@ def client_phase(exp, task, phase: str, i: int, msg: bytes, scratch: MutableMapp
                                          {k: comps["y"][k].to(v.device) for k, v in y0.items()}, i, q)
         up = encode({"x": xn, "y": yn}, {"round": q, "client": i, "phase": phase})[0]
         calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[i])
-        scratch.clear()
-        scratch["mx"] = m.x
     else:
         raise PayloadError(f"client {i}: phase {phase!r} is not a phase of {exp.method}")
-    kept = mk.masked_fraction({**{f"x/{k}": v for k, v in (scratch["mx"]).items()},
-                               **{f"y/{k}": v for k, v in m.y.items()}})
+    kept = kept_fraction(m)
     rec = {"event": "client", "round": q, "client": i, "phase": phase, "capacity": m.capacity, "calls": calls,
            "kept_fraction": kept, "op_estimate": calls * kept, "bytes_down": len(msg), "bytes_up": len(up),
            "seconds": time.perf_counter() - t0, **info}
