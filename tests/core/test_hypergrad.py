@@ -99,3 +99,22 @@ def test_value_and_grad_y_is_grads_y_without_the_backward_through_x():
     seen = []
     hg.value_and_grad_y(lambda xx, yy: seen.append(xx["W"].requires_grad) or fn(xx, yy), x, y)
     assert seen == [False]  # x is a constant of the step
+
+
+def test_cg_stops_at_later_non_positive_curvature_and_says_so():
+    """p'Hp <= 0 after the first step (a finite-difference product's error near convergence) stops CG at
+    the current iterate with `breakdown`; along b itself it is an error (test above)."""
+    H = torch.diag(torch.tensor([2.0, 1.0], dtype=torch.float64))
+    calls = []
+
+    def hvp(v):
+        calls.append(1)
+        out = {"z": H @ v["z"]}
+        return out if len(calls) == 1 else {"z": -out["z"]}  # the second product has the wrong sign
+
+    b = {"z": torch.tensor([1.0, 1.0], dtype=torch.float64)}
+    v, info = hg.solve_cg(hvp, b, 5)
+    a = 2.0 / 3.0  # the first CG step: |b|^2 / b'Hb
+    assert info["breakdown"] and info["iters"] == 1 and torch.allclose(v["z"], a * b["z"])
+    _, ok = hg.solve_cg(lambda u: {"z": H @ u["z"]}, b, 5)
+    assert not ok["breakdown"] and ok["residual"] < 1e-12

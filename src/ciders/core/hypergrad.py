@@ -107,28 +107,34 @@ def cross_xy_coordinates(g: BiLoss, x: State, y: State, v: State, mu: float) -> 
 def solve_cg(hvp: HVP, b: State, iters: int, rtol: float = 1e-12) -> tuple[State, dict]:
     """H v = b for symmetric positive definite H (on the span of b: a masked sub-model's Hessian is
     singular outside its coordinates, where b is zero too) by conjugate gradient from v = 0; stops early
-    once |r| <= rtol |b|."""
+    once |r| <= rtol |b|. Non-positive curvature p'Hp <= 0 along the first direction (b itself) is an
+    error: H is not positive definite. Later, it stops at the current iterate (truncated CG, as Steihaug's):
+    with finite-difference products (RAFBO) near convergence the product's error can outweigh a tiny p'Hp;
+    `breakdown` in the info says it happened."""
     v = {k: torch.zeros_like(t) for k, t in b.items()}
     r = {k: t.clone() for k, t in b.items()}
     p = {k: t.clone() for k, t in b.items()}
     rs = dot(r, r)
     stop = rtol * rtol * rs
-    n = 0
+    n, breakdown = 0, False
     for n in range(1, iters + 1):
         if rs <= stop or rs == 0:
             n -= 1
             break
         hp = hvp(p)
         php = dot(p, hp)
-        if php <= 0:
+        if php <= 0 and n == 1:
             raise ValueError(f"conjugate gradient: the Hessian is not positive definite along p (p'Hp = {php:.3g})")
+        if php <= 0:
+            n, breakdown = n - 1, True
+            break
         a = rs / php
         v = lincomb([(1.0, v), (a, p)])
         r = lincomb([(1.0, r), (-a, hp)])
         rs_new = dot(r, r)
         p = lincomb([(1.0, r), (rs_new / rs, p)])
         rs = rs_new
-    return v, {"iters": n, "residual": rs ** 0.5}
+    return v, {"iters": n, "residual": rs ** 0.5, "breakdown": breakdown}
 
 
 def solve_neumann(hvp: HVP, b: State, iters: int, eta: float) -> tuple[State, dict]:
