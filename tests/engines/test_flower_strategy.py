@@ -39,14 +39,21 @@ class InProcessGrid:
     `vanish[(round, cid)] = new_node` makes that client's node unavailable at the round's report (Flower's
     NODE_UNAVAILABLE error) and brings it back as `new_node` (None: never)."""
 
-    def __init__(self, cfg, task, root, tamper=None, vanish=None):
+    def __init__(self, cfg, task, root, tamper=None, vanish=None, away=None):
         self.cfg, self.task, self.root, self.tamper = cfg, task, root, tamper or {}
         self.vanish = dict(vanish or {})
+        self.away = dict(away or {})  # (round, cid) -> (new node, looks): gone once trained, back after `looks`
+        self.back: list = []  # [new node, cid, looks left]
         self.nodes = {100 + i: cid for i, cid in enumerate(task.ids)}
         self.stores = {cid: RoundStore(root / cid, -1) for cid in task.ids}
         self.replies, self.ids = {}, 0
 
     def get_node_ids(self):
+        for b in list(self.back):
+            b[2] -= 1
+            if b[2] < 0:
+                self.nodes[b[0]] = b[1]
+                self.back.remove(b)
         return list(self.nodes)
 
     def send_and_receive(self, messages, *, timeout=None):
@@ -77,6 +84,10 @@ class InProcessGrid:
                                    fm.payload_of(m.content), {})
             rep = Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=m)
             fix = self.tamper.get((f["round"], cid))
+            if (f["round"], cid) in self.away:  # its node dies after training (the reply still arrives)
+                node, looks = self.away.pop((f["round"], cid))
+                del self.nodes[m.metadata.dst_node_id]
+                self.back.append([node, cid, looks])
             return fix(m, up, rec) if fix else rep
         if (f["round"], cid) in self.vanish:  # report: the node is gone (and maybe back under a new id)
             del self.nodes[m.metadata.dst_node_id]
@@ -101,13 +112,13 @@ class SeenTask(VectorTask):
         return super().evaluate(t, server, personalized)
 
 
-def flower_run(tmp_path, tamper=None, vanish=None, over=()):
+def flower_run(tmp_path, tamper=None, vanish=None, over=(), away=None):
     cfg = load_config(None, VEC + list(over))
     task = SeenTask(5)
     logs = []
     co = Coordinator(cfg, task, tmp_path / "run", log=logs.append, engine="flower")
     strategy = CidersStrategy(co, dump_yaml(co.cfg), log=logs.append)
-    strategy.start(InProcessGrid(co.cfg, task, tmp_path / "nodes", tamper, vanish), ArrayRecord(), num_rounds=2,
+    strategy.start(InProcessGrid(co.cfg, task, tmp_path / "nodes", tamper, vanish, away), ArrayRecord(), num_rounds=2,
                    evaluate_fn=strategy.evaluate_fn)
     co.close()
     return tmp_path / "run", logs, task.seen
@@ -133,6 +144,16 @@ def test_a_client_whose_node_rejoins_during_the_evaluation_is_asked_again(tmp_pa
     run_federation(load_config(None, VEC), VectorTask(5), tmp_path / "local", progress=False, log=lambda s: None)
     assert (out / "metrics.jsonl").read_text() == (tmp_path / "local" / "metrics.jsonl").read_text()
     assert any("c0002's node is unavailable" in line for line in logs) and len(seen[0]) == 5
+
+
+def test_a_client_whose_node_is_gone_when_the_evaluation_starts_is_waited_for(tmp_path):
+    """c0002's node dies right after it trained in round 0 (its reply arrives) and is back as node 301 only
+    a few looks into the evaluation: it was trained this round, so the evaluation waits for it (within
+    flower.eval_timeout_s) and equals the in-process run's."""
+    out, logs, seen = flower_run(tmp_path, away={(0, "c0002"): (301, 3)})
+    run_federation(load_config(None, VEC), VectorTask(5), tmp_path / "local", progress=False, log=lambda s: None)
+    assert (out / "metrics.jsonl").read_text() == (tmp_path / "local" / "metrics.jsonl").read_text()
+    assert len(seen[0]) == 5
 
 
 def test_a_client_whose_node_never_returns_is_evaluated_without_after_the_timeout(tmp_path):

@@ -124,7 +124,7 @@ class CidersStrategy(Strategy):
         `flower.eval_timeout_s`. A client whose node is unreachable (Flower answers NODE_UNAVAILABLE once
         the killed node's heartbeat lapses) is asked again when its SuperNode comes back under a new or
         the same node id, so a client restarted during the round is evaluated as in-process. Clients with no
-        node when the evaluation starts are not waited for."""
+        node when the evaluation starts and no training message this round are not waited for."""
         from ciders.core.wire import decode
 
         grid, wanted = self.grid, self.co.eval_clients(t)
@@ -134,7 +134,10 @@ class CidersStrategy(Strategy):
         out: dict[str, dict] = {}
         done: set[str] = set()  # answered: with a messenger, without one, or with a rejected report
         self._discover(grid, 0.0)  # a node restarted during training gets its new node id mapped
-        expect = [c for c in wanted if c in self.node_of]  # clients without a node now are not waited for
+        # waited for: clients with a node now, and those sent this round's training (a node that died after
+        # training, before its heartbeat lapsed, may be gone now and back in a minute); others are not
+        trained = set(self.sent.values())
+        expect = [c for c in wanted if c in self.node_of or c in trained]
         while True:
             asking = {c for c, _ in pending.values()}
             new = [(c, self.node_of[c]) for c in wanted if c not in done and c not in asking and c in self.node_of]
