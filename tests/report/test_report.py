@@ -107,3 +107,18 @@ def test_domains_run_draws_the_nll_matrix(tmp_path):
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(CidersError, match="neither a run directory"):
         write_report(tmp_path)
+
+
+def test_bilevel_table_and_run_reports(tmp_path):
+    """`ciders report` on a `ciders compare` directory of a bilevel config, on one experiment point and on
+    one method's run: the table and the learning curves (accuracy and C_x* per round) render."""
+    shared("cifar10", "cifar10_test.zip")
+    small = [x for kv in ["federation.clients=2", "federation.rounds=2", "task.n_max=20", "task.imbalance=10",
+                          "task.val_per_class=5"] for x in ("--set", kv)]
+    out = tmp_path / "bl"
+    assert main(["compare", str(ROOT / "configs/cpu/rabo_losstune.yaml"), "--out", str(out), "--algorithms",
+                 "rabo,fedmbo", "--seeds", "0,1", *small]) == 0
+    for d in (out, out / "default" / "seed0", out / "default" / "seed0" / "rabo"):
+        dom = open_page(write_report(d, tmp_path / "rep" / d.name), {"bilevel_curves"})
+        assert headings(dom) == ["Table", "Learning curves"]
+    assert "fedmbo" in open_page(write_report(out, tmp_path / "rep2"), {"bilevel_curves"})

@@ -378,18 +378,65 @@ def sweep_page(root: Path, page: Page) -> str:
     return f"Sweep report: {info.get('config', root.name)}"
 
 
+def _bilevel_curves(runs: dict[str, dict[str, list[Path]]]) -> dict:
+    """{panel: {method: [{round: value} per seed]}}: the evaluation metric per grid point, and C_x* per round."""
+    from ciders.fileio import read_jsonl
+
+    panels: dict = {}
+    for point, methods in runs.items():
+        for m, dirs in methods.items():
+            for d in dirs:
+                rows = read_jsonl(d / "metrics.jsonl")
+                ev = {r["round"]: 100 * r.get("accuracy", r.get("balanced_accuracy", float("nan")))
+                      for r in rows if r["event"] == "eval"}
+                cov = {r["round"]: r["covering_x"] for r in rows if r["event"] == "round"}
+                panels.setdefault(f"{point}: accuracy %", {}).setdefault(m, []).append(ev)
+                panels.setdefault(f"{point}: C_x*", {}).setdefault(m, []).append(cov)
+    return panels
+
+
+def bilevel_page(root: Path, page: Page) -> str:
+    """A RABO-family directory: a table (`ciders bilevel --seeds/--grid`, table.json), an experiment
+    (bilevel.json: one directory per method) or one method's run (final.safetensors)."""
+    page.scope = "this bilevel run"
+    if (root / "table.json").is_file():
+        info = json.loads((root / "table.json").read_text())
+        text, title = (root / "table.md").read_text(), f"RABO-family table: {root.name}"
+        runs = {pt: {m: sorted((root / pt).glob(f"seed*/{m}")) for m in info["methods"]} for pt in info["points"]}
+    elif (root / "bilevel.json").is_file():
+        info = json.loads((root / "bilevel.json").read_text())
+        text, title = (root / "bilevel.md").read_text(), f"RABO-family experiment: {root.name}"
+        runs = {"run": {m: [root / m] for m in info}}
+    else:
+        summary = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else {}
+        text, title = json.dumps(summary, indent=2), f"RABO-family run: {root.name}"
+        runs = {"run": {summary.get("method", root.name): [root]}}
+    page.section("Table")
+    page.add(f"<pre>{esc(text)}</pre>")
+    page.section("Learning curves")
+    panels = _bilevel_curves(runs)
+    if panels:
+        page.figure("bilevel_curves", lambda path: figures.seed_curves(panels, path),
+                    "per method: mean over seeds (band: min-max) of the evaluation metric and of C_x* per round")
+    else:
+        page.missing("per-round metrics")
+    return title
+
+
 def write_report(path: str | Path, out: str | Path | None = None) -> Path:
-    """Write <out or path>/report/index.html (+ fig_*.png) for a run, compare or sweep directory."""
+    """Write <out or path>/report/index.html (+ fig_*.png) for a run, compare, sweep or bilevel directory."""
     root = Path(path)
     if (root / "compare.json").is_file():
         build = compare_page
+    elif (root / "table.json").is_file() or (root / "bilevel.json").is_file() or (root / "final.safetensors").is_file():
+        build = bilevel_page
     elif (root / "metrics.jsonl").is_file():
         build = run_page
     elif (root / "sweep.json").is_file():
         build = sweep_page
     else:
-        raise CidersError(f"{root} is neither a run directory (metrics.jsonl) nor a comparison (compare.json) "
-                          "or sweep (sweep.json) directory")
+        raise CidersError(f"{root} is neither a run directory (metrics.jsonl) nor a comparison (compare.json), "
+                          "sweep (sweep.json) or bilevel (table.json, bilevel.json) directory")
     folder = Path(out or root) / "report"
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("fig_*.png"):  # figures of an earlier report that this one may not redraw
