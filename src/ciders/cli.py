@@ -86,22 +86,11 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
-def _is_bilevel_config(path: str) -> bool:
-    import yaml
-
-    from ciders.engines.flower.bilevel import is_bilevel
-
-    p = Path(path)
-    try:
-        return p.is_file() and is_bilevel(yaml.safe_load(p.read_text()) or {})
-    except yaml.YAMLError:
-        return False  # load_config reports it
-
-
 def _cmd_compare(a: argparse.Namespace) -> int:
+    from ciders.config_bilevel import is_bilevel
     from ciders.engines.compare import parse_methods, parse_seeds, run_compare
 
-    if _is_bilevel_config(a.config):  # a RABO-family experiment: `ciders bilevel --seeds`
+    if is_bilevel(Path(a.config)):  # a RABO-family experiment: `ciders bilevel --seeds`
         a.methods, a.grid, a.engine = a.algorithms or "rabo,rafbo,fedmbo", [], "local"
         a.seeds = a.seeds or "0"
         return _cmd_bilevel(a)

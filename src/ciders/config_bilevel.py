@@ -9,6 +9,7 @@ CIDERS config: defaults with help, unknown keys rejected, `--set section.key=val
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ciders.algorithms.bilevel import BILEVEL, METHODS
 from ciders.algorithms.fedmeta import FedMetaConfig
@@ -98,3 +99,20 @@ class BilevelExperiment:
         if self.task.kind == "losstune" and self.rabo.mask_target != "y":
             raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
         return self
+
+
+def is_bilevel(config: dict | str | Path) -> bool:
+    """Whether a config (a mapping, YAML text, or the Path of a YAML file) is a bilevel experiment: it has a
+    `rabo` section, which a CIDERS experiment never has. Unreadable input is not (load_config reports it)."""
+    import yaml
+
+    if isinstance(config, Path):
+        if not config.is_file():
+            return False
+        config = config.read_text()
+    if isinstance(config, str):
+        try:
+            config = yaml.safe_load(config)
+        except yaml.YAMLError:
+            return False
+    return isinstance(config, dict) and "rabo" in config

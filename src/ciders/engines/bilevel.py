@@ -23,7 +23,6 @@ evaluate(x, y) -> metrics.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 from typing import Callable, Protocol
@@ -31,7 +30,8 @@ from typing import Callable, Protocol
 from safetensors.torch import save_file
 
 from ciders.engines.bilevel_rounds import BilevelServer, client_phase
-from ciders.fileio import append_jsonl, atomic_path, read_jsonl, write_json, write_text
+from ciders.engines.rundir import RunDir
+from ciders.fileio import append_jsonl, atomic_path, write_json
 
 Replies = dict[int, tuple[bytes, dict]]
 
@@ -71,6 +71,7 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
     s0 = server.state
     full_x = sum(v.numel() * v.element_size() for v in s0.x.values())
     full_y = sum(v.numel() * v.element_size() for v in s0.y.values())
+    full = {"down": full_x + 2 * full_y, "up": full_y + full_x}  # FedMBO's payloads per client and round
     digest = _digest(exp)
     ck = _load_checkpoint(out, digest, s0) if resume else None
     if ck is None:
@@ -86,9 +87,7 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
     else:
         server.state, totals, ev = ck
         first = server.state.round
-        for f in (metrics, timing):  # records of the round the checkpoint does not hold are dropped
-            keep = [r for r in read_jsonl(f) if r.get("round", -1) < first] if f.is_file() else []
-            write_text(f, "".join(json.dumps(r) + "\n" for r in keep))
+        RunDir(out).truncate_metrics(first - 1)  # records of the round the checkpoint does not hold
         log(f"{out}: resuming after round {first - 1}")
     rounds = exp.federation.rounds
     for q in range(first, rounds):
@@ -108,8 +107,7 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
                 for k in ("calls", "op_estimate", "bytes_up"):
                     totals[k] += rec[k]
                 totals["seconds"] += secs
-        rnd = {"event": "round", "round": q, **server.stats,
-               "full_bytes_per_client": {"down": full_x + 2 * full_y, "up": full_y + full_x}}
+        rnd = {"event": "round", "round": q, **server.stats, "full_bytes_per_client": full}
         append_jsonl(metrics, rnd)
         ev = server.evaluate()
         append_jsonl(metrics, {"event": "eval", "round": q, **ev})
@@ -119,7 +117,7 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
     with atomic_path(out / "final.safetensors") as tmp:
         save_file(_flat(s), str(tmp))
     summary = {"method": exp.method, "rounds": rounds, "clients": len(server.caps), "final": ev, **totals,
-               "full_bytes_per_client_round": {"down": full_x + 2 * full_y, "up": full_y + full_x}}
+               "full_bytes_per_client_round": full}
     write_json(out / "summary.json", summary)
     return summary
 
@@ -137,8 +135,6 @@ def _flat(s) -> dict:
 
 def _save_checkpoint(out: Path, s, totals: dict, ev: dict, digest: str) -> None:
     """Round s.round - 1 committed: checkpoints/round_<n>/ then the LATEST pointer (`engines.rundir`)."""
-    from ciders.engines.rundir import RunDir
-
     RunDir(out).save_checkpoint(s.round - 1, _flat(s), {"round": s.round, "totals": totals, "eval": ev,
                                                         "config": digest}, keep=2)
 
@@ -147,7 +143,6 @@ def _load_checkpoint(out: Path, digest: str, s0):
     """(state, totals, last eval) of the last committed round, or None if there is none or it is of
     another config."""
     from ciders.algorithms.rabo import BilevelState
-    from ciders.engines.rundir import RunDir
     from ciders.errors import CidersError
 
     rd = RunDir(out)
@@ -190,9 +185,9 @@ def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str]
         if engine == "local":
             results[m] = run_bilevel(cfg, task, out / m, log=log, resume=resume)
         else:
-            from ciders.engines.flower.bilevel import run_simulation
+            from ciders.engines.flower.server_app import run_simulation
 
-            results[m] = run_simulation(cfg, out / m, log=log, resume=resume)
+            results[m] = run_simulation(cfg, out / m, resume=resume, log=log)
     write_text(out / "bilevel.md", table(results, out))
     write_json(out / "bilevel.json", results)
     return results

@@ -22,6 +22,7 @@ directory on a Flower node).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import replace
 from typing import Callable, MutableMapping
 
@@ -63,6 +64,17 @@ class _Counter:
     def __call__(self, *a):
         self.calls += 1
         return self.fn(*a)
+
+
+_REFS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _reference(task) -> tuple[dict, dict]:
+    """task.initial(), built once per task (a paper-scale backbone's init is not free): only its shapes,
+    dtypes and device are read."""
+    if task not in _REFS:
+        _REFS[task] = task.initial()
+    return _REFS[task]
 
 
 def _device(st: dict) -> torch.device:
@@ -195,7 +207,7 @@ def client_phase(exp, task, phase: str, i: int, msg: bytes, scratch: MutableMapp
                  ) -> tuple[bytes, dict]:
     """Client i's reply to the server's `phase` message (see the module docstring)."""
     cfg = exp.rabo
-    x0, y0 = task.initial()  # shapes and dtypes the client expects (its copy of the architecture)
+    x0, y0 = _reference(task)  # shapes, dtypes and device the client expects (its copy of the architecture)
     comps, meta = decode(msg)
     q = meta.get("round")
     if meta.get("client") != i or meta.get("phase") != phase or not isinstance(q, int):

@@ -30,11 +30,6 @@ from ciders.engines.flower.nodes import NodeMap
 _TASKS: dict[str, tuple] = {}  # config digest -> (experiment, task); a cache, not state
 
 
-def is_bilevel(config: dict) -> bool:
-    """A bilevel experiment's YAML has a `rabo` section (a CIDERS one never does)."""
-    return isinstance(config, dict) and "rabo" in config
-
-
 class FlowerExchange:
     def __init__(self, grid: Grid, config_text: str, exp, log: Callable[[str], None] = print):
         self.grid, self.config_text, self.fcfg, self.log = grid, config_text, exp.flower, log
@@ -142,26 +137,3 @@ def handle(msg: Message, cid: str, state: Path) -> Message:
     if f["phase"] == "inner":  # the only phase that changes the scratch space
         scratch.save()
     return Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=msg)
-
-
-def run_simulation(exp, out: str | Path, log=print, resume: bool = False) -> dict:
-    """One bilevel run on Flower's simulation runtime (Ray), one virtual SuperNode per client."""
-    from flwr.simulation import run_simulation as flwr_run_simulation
-
-    from ciders.config import dump_yaml
-    from ciders.engines.flower.client_app import make_client_app
-    from ciders.engines.flower.server_app import make_server_app
-    from ciders.errors import CidersError
-
-    out = Path(out)
-    summary_path = out / "summary.json"
-    summary_path.unlink(missing_ok=True)
-    spec = {"config_text": dump_yaml(exp), "out": str(out.resolve()), "resume": resume,
-            "clients_root": str((out / "flower-clients").resolve())}
-    fc = exp.flower
-    backend = {"client_resources": {"num_cpus": fc.client_cpus, "num_gpus": fc.client_gpus}}
-    flwr_run_simulation(make_server_app(spec), make_client_app(spec), num_supernodes=exp.federation.clients,
-                        backend_config=backend)
-    if not summary_path.is_file():
-        raise CidersError(f"the Flower simulation ended without finishing the run (no {summary_path}); see the log above")
-    return json.loads(summary_path.read_text())

@@ -22,11 +22,8 @@ from ciders.config import ExperimentConfig
 
 
 def _spec_from_run_config(rc: dict) -> dict:
-    import yaml
-
     from ciders.config import dump_yaml, load_config
-    from ciders.config_bilevel import BilevelExperiment
-    from ciders.engines.flower.bilevel import is_bilevel
+    from ciders.config_bilevel import BilevelExperiment, is_bilevel
     from ciders.errors import ConfigError
 
     if not rc.get("config") or not rc.get("out"):
@@ -34,7 +31,7 @@ def _spec_from_run_config(rc: dict) -> dict:
                           "(flwr run ... --run-config 'config=\"...\" out=\"...\"')")
     overrides = [s for s in str(rc.get("set", "")).split(";") if s.strip()]
     path = Path(str(rc["config"]))
-    bilevel = path.is_file() and is_bilevel(yaml.safe_load(path.read_text()) or {})
+    bilevel = is_bilevel(path)
     cfg = load_config(path, overrides, cls=BilevelExperiment if bilevel else ExperimentConfig)
     if bilevel:
         from ciders.engines.bilevel_rounds import method_config
@@ -45,15 +42,14 @@ def _spec_from_run_config(rc: dict) -> dict:
 
 def serve(grid: Grid, spec: dict, log=print) -> dict:
     """One whole run on `grid` (simulation or deployment). Returns the run summary."""
-    import yaml
-
     from ciders.config import dump_yaml, loads_config
+    from ciders.config_bilevel import is_bilevel
     from ciders.engines.flower import bilevel
     from ciders.engines.flower.strategy import CidersStrategy
     from ciders.engines.llm_task import LLMTask
     from ciders.engines.rounds import Coordinator
 
-    if bilevel.is_bilevel(yaml.safe_load(spec["config_text"])):
+    if is_bilevel(spec["config_text"]):
         return bilevel.serve(grid, spec, log=log)
     cfg = loads_config(spec["config_text"])
     out = Path(spec["out"])
@@ -82,7 +78,8 @@ app = make_server_app()  # for `flwr run` (pyproject: ciders.engines.flower.serv
 
 
 def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dict:
-    """The run on Flower's simulation runtime (Ray), one virtual SuperNode per client."""
+    """The run on Flower's simulation runtime (Ray), one virtual SuperNode per client; `cfg` is a CIDERS
+    experiment or a bilevel one (`serve` tells them apart)."""
     import json
 
     from flwr.simulation import run_simulation as flwr_run_simulation
@@ -102,5 +99,5 @@ def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dic
                         backend_config=backend)
     if not summary_path.is_file():
         raise CidersError(f"the Flower simulation ended without finishing the run (no {summary_path}); "
-                          "see the log above, then `ciders run ... --engine flower-sim --resume` continues it")
+                          "see the log above; the same command with --resume continues it")
     return json.loads(summary_path.read_text())
