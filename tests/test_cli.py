@@ -42,7 +42,7 @@ def test_theory_command_prints_one_json_object_per_round(capsys):
 
 
 def test_run_refuses_to_overwrite(tmp_path, capsys):
-    from ciders.engines.local import RunDir
+    from ciders.federation.loop import RunDir
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "LATEST").write_text('{"round": 1}')

@@ -1,3 +1,7 @@
+from dataclasses import dataclass as dataclasses_dataclass
+from typing import Literal, Optional  # noqa: F401 - resolved in _Toy's string annotations
+from typing import get_args as typing_get_args
+
 import pytest
 
 from ciders.config import (
@@ -109,3 +113,123 @@ def test_federation_checks(overrides, match):
         load_config(None, overrides)
     ok = load_config(None, ["federation.partition=files", "data.client_files=[a.jsonl, b.jsonl, c.jsonl]"])
     assert ok.data.client_files == ("a.jsonl", "b.jsonl", "c.jsonl")
+
+
+# ------------------------------------------------------------------------- choices written once (Literal)
+
+
+def _literal_keys(cls=ExperimentConfig, prefix=""):
+    """(key, choices, is_tuple) of every Literal-typed leaf key, read from the annotations."""
+    import dataclasses
+    import typing
+
+    from ciders.config import field_choices
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _literal_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif (choices := field_choices(cls, f.name)) is not None:
+            yield f"{prefix}{f.name}", choices, typing.get_origin(hints[f.name]) is tuple
+
+
+def test_every_literal_key_rejects_a_bad_value_naming_key_value_and_choices():
+    import re
+
+    from ciders.config import apply_overrides, check_choices
+
+    keys = {k: (c, t) for k, c, t in _literal_keys()}
+    assert set(keys) >= {"model.dtype", "decomposition.rounding", "takd.hidden_loss", "takd.kd_tokens",
+                         "takd.teacher_cache", "algorithm.name", "algorithm.optimizer", "data.task", "data.format",
+                         "federation.partition", "federation.eval_clients", "eval.tasks"}
+    assert keys["takd.hidden_loss"] == (("mean", "sum", "teacher_rms"), False)
+    for key, (choices, is_tuple) in keys.items():
+        for c in choices:  # every declared choice passes (the cross-field rules aside)
+            cfg = from_dict(ExperimentConfig, apply_overrides({}, [f"{key}=[{c}]" if is_tuple else f"{key}={c}"]))
+            check_choices(cfg)
+            section, name = key.rsplit(".", 1)
+            assert getattr(getattr(cfg, section), name) == ((c,) if is_tuple else c)
+        listed = re.escape(", ".join(choices))
+        if is_tuple:
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: each entry must be one of {listed}, "
+                                                  r"got 'bogus'$"):
+                load_config(None, [f"{key}=[{choices[0]}, bogus]"])
+        else:
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: must be one of {listed}, got 'bogus'$"):
+                load_config(None, [f"{key}=bogus"])
+
+
+def test_yaml_bools_read_back_as_the_choice_written(tmp_path):
+    # YAML 1.1 reads a bare `off` as false: the Literal field takes the choice back
+    assert load_config(write(tmp_path, "takd:\n  teacher_cache: off\n")).takd.teacher_cache == "off"
+    assert load_config(None, ["takd.teacher_cache=off"]).takd.teacher_cache == "off"
+    with pytest.raises(ConfigError, match="^takd.kd_tokens: must be one of all, response, got True$"):
+        load_config(write(tmp_path, "takd:\n  kd_tokens: yes\n"))
+
+
+def test_help_lists_the_choices_from_the_annotation():
+    rows = {k: h for k, _, h in describe_keys()}
+    assert rows["algorithm.optimizer"] == "OPTIM of Eq. 4 (paper: AdamW) (choose from sgd | adamw)"
+    assert rows["eval.tasks"].endswith("(choose from ppl | gsm8k | rouge_l | humaneval:python | humaneval:java | "
+                                       "humaneval:go | nll_matrix)")
+    assert "choose from" not in rows["takd.lr"]
+
+
+def test_a_section_validated_alone_checks_its_choices():
+    from ciders.config import CidersConfig, EvalConfig, TAKDConfig
+
+    with pytest.raises(ConfigError, match="^takd.kd_tokens: must be one of all, response, got 'some'$"):
+        TAKDConfig(kd_tokens="some").validate()
+    with pytest.raises(ConfigError, match="^eval.tasks: each entry must be one of .*, got 'bleu'$"):
+        EvalConfig(tasks=("gsm8k", "bleu")).validate()
+    EvalConfig(tasks=("gsm8k", "humaneval:go")).validate()
+    CidersConfig(name="fedprox").validate()
+
+
+# string annotations, as `from __future__ import annotations` leaves them
+@dataclasses_dataclass(frozen=True)
+class _Toy:
+    a: "Literal['x', 'y']" = "x"
+    b: "Optional[Literal['p', 'q']]" = None
+    c: "tuple[Literal['u', 'v'], ...]" = ()
+    d: "Literal['x'] | Literal['z'] | None" = None
+    e: "Literal['x'] | str" = "free"
+    f: str = "free"
+
+
+def test_choices_are_read_through_string_annotations_optional_union_and_tuples():
+    from ciders.config import check_choices, field_choices, literal_choices
+
+    assert [field_choices(_Toy, k) for k in "abcdef"] == [("x", "y"), ("p", "q"), ("u", "v"), ("x", "z"), None, None]
+    assert literal_choices(Optional[Literal["a", "b"]]) == ("a", "b") and literal_choices(int) is None
+    check_choices(_Toy(a="y", b=None, c=("v", "u"), d="z", e="anything", f="anything"), "toy")
+    for kw, msg in [({"a": "z"}, "toy.a: must be one of x, y, got 'z'"),
+                    ({"b": "r"}, "toy.b: must be one of p, q, got 'r'"),
+                    ({"c": ("u", "w")}, "toy.c: each entry must be one of u, v, got 'w'"),
+                    ({"d": "y"}, "toy.d: must be one of x, z, got 'y'"),
+                    ({"a": None}, "toy.a: must be one of x, y, got None")]:
+        with pytest.raises(ConfigError) as exc:
+            check_choices(_Toy(**kw), "toy")
+        assert str(exc.value) == msg
+
+
+def test_names_declared_in_config_match_the_registries():
+    """config imports nothing above ciders.errors, so it declares task / evaluation / dtype names itself."""
+    import ast
+
+    import ciders.config as config
+    from ciders.runtime import DTYPES
+    from ciders.tasks.registry import TASKS
+
+    try:
+        from ciders.workloads.evaluation import EVAL_TASKS
+    except ImportError:  # before the engines/ move
+        from ciders.engines.evaluation import EVAL_TASKS
+
+    assert config.TASK_NAMES == ("custom", *TASKS)
+    assert config.EVAL_TASK_NAMES == tuple(EVAL_TASKS)
+    assert typing_get_args(config.DtypeName) == ("auto", *DTYPES)
+    tree = ast.parse(open(config.__file__, encoding="utf-8").read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m.split(".")[0] == "ciders"} == {"ciders.errors"}

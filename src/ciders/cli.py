@@ -33,7 +33,7 @@ def _load_cfg(a: argparse.Namespace):
 
 
 def _cmd_distill(a: argparse.Namespace) -> int:
-    from ciders.engines.prealign import run_prealign
+    from ciders.workloads.prealign import run_prealign
 
     cfg = _load_cfg(a)
     out = Path(a.out) if a.out else Path("runs") / cfg.name
@@ -45,7 +45,7 @@ def _cmd_distill(a: argparse.Namespace) -> int:
 def _cmd_bilevel(a: argparse.Namespace) -> int:
     from ciders.config import load_config
     from ciders.config_bilevel import BilevelExperiment
-    from ciders.engines.bilevel import run_experiment
+    from ciders.experiments.bilevel import run_experiment
 
     exp = load_config(a.config, a.set or [], cls=BilevelExperiment)
     out = Path(a.out) if a.out else Path("runs") / exp.name
@@ -54,9 +54,9 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
         run_experiment(exp, out, methods, engine=a.engine, resume=getattr(a, "resume", False))
         print((out / "bilevel.md").read_text())
     else:
-        from ciders.engines.bilevel_table import run_table
-        from ciders.engines.compare import parse_seeds
-        from ciders.engines.sweep import parse_grid
+        from ciders.experiments.bilevel_table import run_table
+        from ciders.experiments.compare import parse_seeds
+        from ciders.experiments.sweep import parse_grid
 
         run_table(exp, methods, parse_seeds(a.seeds or str(exp.seed)), parse_grid(a.grid or []), out, engine=a.engine)
         print((out / "table.md").read_text())
@@ -65,8 +65,8 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from ciders.engines.llm_task import LLMTask, render
-    from ciders.engines.local import RunDir, run_federation
+    from ciders.workloads.llm import LLMTask, render
+    from ciders.federation.loop import RunDir, run_federation
 
     cfg = _load_cfg(a)
     out = Path(a.out) if a.out else Path("runs") / cfg.name
@@ -76,7 +76,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
                           "or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     if a.engine == "flower-sim":
-        from ciders.engines.flower.server_app import run_simulation
+        from ciders.transports.flower.server_app import run_simulation
 
         summary = run_simulation(cfg, out, resume=a.resume)
     else:
@@ -88,7 +88,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 def _cmd_compare(a: argparse.Namespace) -> int:
     from ciders.config_bilevel import is_bilevel
-    from ciders.engines.compare import parse_methods, parse_seeds, run_compare
+    from ciders.experiments.compare import parse_methods, parse_seeds, run_compare
 
     if is_bilevel(Path(a.config)):  # a RABO-family experiment: `ciders bilevel --seeds`
         a.methods, a.grid, a.engine = a.algorithms or "rabo,rafbo,fedmbo", [], "local"
@@ -105,8 +105,8 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
-    from ciders.engines.compare import parse_methods, parse_seeds
-    from ciders.engines.sweep import parse_grid, run_sweep
+    from ciders.experiments.compare import parse_methods, parse_seeds
+    from ciders.experiments.sweep import parse_grid, run_sweep
 
     cfg = _load_cfg(a)
     grid = parse_grid(a.grid or [])
@@ -129,7 +129,7 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 
 def _cmd_theory(a: argparse.Namespace) -> int:
-    from ciders.engines.theory import run_theory
+    from ciders.experiments.theory import run_theory
 
     for row in run_theory(a.clients, a.dim, a.K, a.eta, a.gamma, a.alpha, a.eps_prox, a.rounds, a.loss, a.seed, a.tau):
         if a.json:
@@ -142,7 +142,7 @@ def _cmd_theory(a: argparse.Namespace) -> int:
 
 def _cmd_export(a: argparse.Namespace) -> int:
     from ciders.config import load_config
-    from ciders.engines.prealign import build
+    from ciders.workloads.prealign import build
     from ciders.models.export import export_edge_model
 
     run = Path(a.run_dir)
@@ -151,7 +151,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     cfg = load_config(run / "config.yaml")
     d, tok = build(cfg)
     if a.client:
-        from ciders.engines.local import load_personalized
+        from ciders.federation.loop import load_personalized
 
         messenger = load_personalized(run, a.client, d)
     else:
@@ -164,7 +164,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 
 def _cmd_eval(a: argparse.Namespace) -> int:
-    from ciders.engines.evaluation import eval_run
+    from ciders.workloads.evaluation import eval_run
 
     tasks = tuple(t.strip() for t in a.tasks.split(",") if t.strip()) if a.tasks else None
     out = eval_run(a.run_dir, tasks, a.path, a.messenger, a.limit)
@@ -283,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
                         "virtual SuperNode per client; same config and seed give the same numbers")
     p.set_defaults(fn=_cmd_run)
 
-    from ciders.engines.flower.commands import add_parser as add_flower
+    from ciders.transports.flower.commands import add_parser as add_flower
 
     add_flower(sub)
 

@@ -9,6 +9,7 @@ path syntax and the same checks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +32,17 @@ def section(default_factory: Any, help: str) -> Any:  # noqa: A002
     return field(default_factory=default_factory, metadata={"help": help})
 
 
+# ------------------------------------------------------------------------------------------------ names
+# Choices are written once, as Literal types; validation and `ciders config --keys` read them from the
+# annotations. Names owned by other modules are declared here (config imports nothing above ciders.errors);
+# tests check they equal the registries they mirror.
+
+TaskName = Literal["custom", "gsm8k", "dolly", "code", "domains", "math"]  # custom + ciders.tasks.registry.TASKS
+TASK_NAMES: tuple[str, ...] = typing.get_args(TaskName)
+EvalTaskName = Literal["ppl", "gsm8k", "rouge_l", "humaneval:python", "humaneval:java", "humaneval:go", "nll_matrix"]
+EVAL_TASK_NAMES: tuple[str, ...] = typing.get_args(EvalTaskName)  # the evaluations ciders' evaluation runs
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]  # auto + ciders.runtime.DTYPES
+
 # --------------------------------------------------------------------------------------------- sections
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -40,11 +52,11 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class ModelConfig:
     name: str = opt("smollm2-135m", "hub id, local HF directory, or built-in name (smollm2-135m, tiny-qwen2, tiny-llama)")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
-    dtype: str = opt("auto", "auto (bfloat16 on CUDA, float32 elsewhere) | float32 | bfloat16 | float16")
+    dtype: DtypeName = opt("auto", "auto = bfloat16 on CUDA, float32 elsewhere")
     attn_implementation: str | None = opt(None, "transformers attention backend (eager, sdpa, ...); null = model default")
 
     def validate(self) -> None:
-        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        check_choices(self, "model")
         if not self.name:
             raise ConfigError("model.name: must not be empty")
 
@@ -71,7 +83,7 @@ class DecompositionConfig:
             raise ConfigError(f"decomposition.drop_ratio: must be in [0, 1), got {self.drop_ratio}")
         if self.student_layers is not None and self.student_layers < 1:
             raise ConfigError(f"decomposition.student_layers: must be >= 1, got {self.student_layers}")
-        _choice("decomposition.rounding", self.rounding, ("round", "floor"))
+        check_choices(self, "decomposition")
 
     def split_kwargs(self) -> dict:
         """Keyword arguments for `ciders.models.decompose.split_layers`."""
@@ -140,6 +152,7 @@ class TAKDConfig:
     cache_memory_mib: float = opt(2048.0, "with teacher_cache=auto, spill to disk above this size")
 
     def validate(self) -> None:
+        check_choices(self, "takd")
         for k in ("lambda_out", "lambda_task", "lr", "weight_decay", "max_grad_norm"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
@@ -151,9 +164,6 @@ class TAKDConfig:
         for k in ("bootstrap_steps", "round_steps"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
-        _choice("takd.hidden_loss", self.hidden_loss, ("mean", "sum", "teacher_rms"))
-        _choice("takd.kd_tokens", self.kd_tokens, ("all", "response"))
-        _choice("takd.teacher_cache", self.teacher_cache, ("auto", "memory", "disk", "off"))
 
 
 @dataclass(frozen=True)
@@ -162,7 +172,7 @@ class CidersConfig:
     `name` picks CIDERS or a baseline; a baseline fixes the knobs it needs (see `ciders.algorithms`)."""
 
     name: Literal["ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"] = opt(
-        "ciders", "ciders | fedavg | fedprox | scaffold | fedot | fedbiot | localot (baselines set their own knobs)")
+        "ciders", "CIDERS or a baseline (baselines set their own knobs)")
     local_steps: int = opt(10, "K: optimizer updates per client per round (paper: 10 Protocol A, 20 Protocol B)")
     grad_accum: int = opt(1, "micro-batches averaged into one optimizer update")
     batch_size: int = opt(2, "examples per micro-batch")
@@ -195,6 +205,7 @@ class CidersConfig:
 
     def validate(self) -> None:
         w = "algorithm"
+        check_choices(self, w)
         if self.local_steps < 1:
             raise ConfigError(f"{w}.local_steps: K must be >= 1, got {self.local_steps}")
         for k in ("grad_accum", "batch_size"):
@@ -219,14 +230,6 @@ class CidersConfig:
             raise ConfigError(f"{w}.eps_fd: must be > 0, got {self.eps_fd}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"{w}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        _choice(f"{w}.optimizer", self.optimizer, ("sgd", "adamw"))
-        _choice(f"{w}.schedule", self.schedule, ("constant", "warmup_cosine"))
-        _choice(f"{w}.metagrad", self.metagrad, ("fo", "fd"))
-        _choice(f"{w}.gamma_schedule", self.gamma_schedule, ("constant", "protocol_c"))
-        _choice(f"{w}.weighting", self.weighting, ("size", "uniform"))
-        _choice(f"{w}.name", self.name, ("ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"))
-        _choice(f"{w}.consensus_update", self.consensus_update, ("ema", "scaffold"))
-        _choice(f"{w}.client_start", self.client_start, ("global", "personalized"))
 
     def uses_consensus(self) -> bool:
         """Whether clients need c at all (gamma_t = 0 in every round makes c irrelevant to them)."""
@@ -235,7 +238,7 @@ class CidersConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = opt("custom", "custom (the explicit files below) or a named task: gsm8k, dolly, code, domains, math")
+    task: TaskName = opt("custom", "custom (the explicit files below) or a named task")
     source: str | None = opt(None, "named task: a local file overriding $CIDERS_DATA's, or 'hub' (internet)")
     public_size: int = opt(200, "named task: public (server distillation) examples [per label with per_label]")
     eval_size: int = opt(300, "named task without an official test split: held-out examples [per label]")
@@ -256,6 +259,7 @@ class DataConfig:
     eval_batch_size: int = opt(8, "batch size for perplexity evaluation")
 
     def validate(self) -> None:
+        check_choices(self, "data")
         if self.max_length < 8:
             raise ConfigError(f"data.max_length: must be >= 8, got {self.max_length}")
         for k in ("public_limit", "eval_limit", "clients_limit"):
@@ -264,10 +268,6 @@ class DataConfig:
                 raise ConfigError(f"data.{k}: must be >= 1 or null, got {v}")
         if self.eval_batch_size < 1:
             raise ConfigError(f"data.eval_batch_size: must be >= 1, got {self.eval_batch_size}")
-        _choice("data.format", self.format, ("auto", "gsm8k", "instruction", "mbpp", "metamath"))
-        from ciders.tasks.registry import TASKS
-
-        _choice("data.task", self.task, ("custom", *TASKS))
         for k in ("public_size", "eval_size"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"data.{k}: must be >= 1, got {getattr(self, k)}")
@@ -280,7 +280,7 @@ class EvalConfig:
     """Evaluations scheduled inside `ciders run` (every federation.eval_every rounds) and the defaults of
     `ciders eval`. ppl is always computed (global and per-client held-out response perplexity)."""
 
-    tasks: tuple[str, ...] = opt((), "extra evaluations: gsm8k, rouge_l, humaneval:python|java|go, nll_matrix")
+    tasks: tuple[EvalTaskName, ...] = opt((), "extra evaluations (ppl is always computed)")
     limit: int | None = opt(None, "evaluate only the first N examples of each task")
     max_new_tokens: int = opt(256, "generation budget for gsm8k / rouge_l / humaneval")
     batch_size: int = opt(8, "generation batch size (left padding, KV cache)")
@@ -288,11 +288,7 @@ class EvalConfig:
     tasks_before: bool = opt(True, "also run eval.tasks before the first round (false: perplexities only)")
 
     def validate(self) -> None:
-        from ciders.engines.evaluation import EVAL_TASKS
-
-        for t in self.tasks:
-            if t not in EVAL_TASKS:
-                raise ConfigError(f"eval.tasks: unknown evaluation {t!r} (use {', '.join(EVAL_TASKS)})")
+        check_choices(self, "eval")
         for k in ("max_new_tokens", "batch_size", "code_workers"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"eval.{k}: must be >= 1, got {getattr(self, k)}")
@@ -304,8 +300,8 @@ class EvalConfig:
 class FederationConfig:
     clients: int = opt(3, "number of registered clients N")
     partition: Literal["iid", "natural", "dirichlet", "files"] = opt(
-        "iid", "iid | natural (one label, e.g. domain, per client) | dirichlet (over the label column) | "
-        "files (custom task: data.client_files[i] is client i)")
+        "iid", "how client data is dealt: iid = a seeded even split; natural = one label (e.g. domain) per "
+        "client; dirichlet = over the label column; files = custom task, data.client_files[i] is client i")
     dirichlet_alpha: float = opt(0.5, "Dirichlet concentration (Protocol C: 0.1 and 0.4); smaller = more skewed")
     holdout: float = opt(0.2, "fraction of each client's examples held out for its personalized evaluation")
     per_round: int | None = opt(None, "clients sampled per round (partial participation); null = all")
@@ -317,6 +313,7 @@ class FederationConfig:
     tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`)")
 
     def validate(self) -> None:
+        check_choices(self, "federation")
         if self.clients < 1:
             raise ConfigError(f"federation.clients: must be >= 1, got {self.clients}")
         if self.rounds < 1:
@@ -328,14 +325,14 @@ class FederationConfig:
         for k in ("eval_every", "checkpoint_keep", "store_cache"):
             if getattr(self, k) < (0 if k == "eval_every" else 1):
                 raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
-        _choice("federation.partition", self.partition, ("iid", "natural", "dirichlet", "files"))
         if self.dirichlet_alpha <= 0:
             raise ConfigError(f"federation.dirichlet_alpha: must be > 0, got {self.dirichlet_alpha}")
-        _choice("federation.eval_clients", self.eval_clients, ("all", "participants"))
 
 
 def validate_sections(cfg: Any) -> None:
-    """Run every section's own validate() (the cross-field checks stay with the experiment class)."""
+    """Check every Literal-typed key against its choices (any section, from any module), then run every
+    section's own validate() (the cross-field checks stay with the experiment class)."""
+    check_choices(cfg)
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
@@ -399,9 +396,69 @@ class ExperimentConfig:
 # --------------------------------------------------------------------------------------------- machinery
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of a config class (`from __future__ import annotations` makes them
+    strings; they resolve in the class's own module)."""
+    return typing.get_type_hints(cls)
+
+
+def literal_choices(tp: Any) -> tuple | None:
+    """The allowed values of a Literal annotation, also as one member of an Optional / Union (every
+    non-None member must then be a Literal; None is the caller's business); None when `tp` is no Literal."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        out: tuple = ()
+        for a in typing.get_args(tp):
+            if a is type(None):
+                continue
+            c = literal_choices(a)
+            if c is None:
+                return None  # e.g. Literal[...] | str: free-form values are allowed
+            out += tuple(x for x in c if x not in out)
+        return out or None
+    return None
+
+
+def field_choices(cls: type, name: str) -> tuple | None:
+    """The choices of field `name` of a config class (of each entry, for a tuple[Literal[...], ...])."""
+    tp = _hints(cls)[name]
+    if typing.get_origin(tp) is tuple:
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return literal_choices(args[0]) if len(args) == 1 else None
+    return literal_choices(tp)
+
+
+def check_choices(cfg: Any, where: str = "") -> None:
+    """Every Literal-typed field of `cfg` (and of its nested sections, recursively) against the choices its
+    annotation lists: a Literal, an Optional / Union of Literals (None allowed when the annotation has it),
+    or a tuple[Literal[...], ...] (every entry). `where` is the section's key path, e.g. "algorithm"."""
+    for f in dataclasses.fields(cfg):
+        key, v = f"{where}.{f.name}" if where else f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            check_choices(v, key)
+            continue
+        choices = field_choices(type(cfg), f.name)
+        if choices is None:
+            continue
+        tp = _hints(type(cfg))[f.name]
+        if typing.get_origin(tp) is tuple:
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                if x not in choices:
+                    raise ConfigError(f"{key}: each entry must be one of {', '.join(map(str, choices))}, got {x!r}")
+        elif not (v is None and type(None) in typing.get_args(tp)):
+            _choice(key, v, choices)
+
+
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+_YAML_TRUE = ("y", "yes", "true", "on")
+_YAML_FALSE = ("n", "no", "false", "off")
 
 
 def _coerce(key: str, tp: Any, value: Any) -> Any:
@@ -422,7 +479,13 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
     if origin is Literal:
-        return value  # checked by the section's validate(), which lists the choices
+        if isinstance(value, bool) and value not in typing.get_args(tp):
+            # YAML 1.1 reads a bare off / on / no / yes as a bool: give back the choice that was written
+            words = _YAML_TRUE if value else _YAML_FALSE
+            spelled = [c for c in typing.get_args(tp) if isinstance(c, str) and c.lower() in words]
+            if len(spelled) == 1:
+                return spelled[0]
+        return value  # checked against the annotation's choices by check_choices (validate_sections)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of settings, got {value!r}")
@@ -584,5 +647,9 @@ def describe_keys(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[
             rows.extend(describe_keys(hints[f.name], key + "."))
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            rows.append((key, repr(to_dict(default) if dataclasses.is_dataclass(default) else default), f.metadata.get("help", "")))
+            help_ = f.metadata.get("help", "")
+            choices = field_choices(cls, f.name)
+            if choices is not None:  # written once, in the annotation
+                help_ = f"{help_} (choose from {' | '.join(map(str, choices))})"
+            rows.append((key, repr(to_dict(default) if dataclasses.is_dataclass(default) else default), help_))
     return rows

@@ -52,9 +52,85 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+# ------------------------------------------------------------------------------------------ seed streams
+# Every random draw of the package that is derived from the run seed names its stream here. A stream is a
+# purpose (which examples a client sees, which dropout mask, which initial LoRA A), never a magic number:
+# derive_seed refuses a name that is not registered, so a typo cannot silently open a new stream.
+
+SEED_STREAMS: frozenset[str] = frozenset({
+    # tasks/
+    "data-split",           # tasks.federated: custom task, iid partition: the permutation dealing the pool out
+    "task-split",           # tasks.registry.split_indices: a named task's public / client / evaluation sets
+    "omniglot-shards",      # tasks.omniglot.shard: the character permutation (no key) / client i's draw (key i)
+    # models/
+    "messenger-lora-init",  # models.decompose: LoRA A of the messenger
+    "student-lora-init",    # models.decompose: LoRA A of the learnable backbone B_L
+    "takd-order",           # models.distill.sample_indices: the public-data permutation of epoch e (key e)
+    "takd-dropout",         # models.distill.distill: LoRA dropout of step s, micro-batch m (keys s, m)
+    # federated rounds and workloads
+    "client-sampling",      # federation.rundir.sample_clients: the clients of round t (key t)
+    "client-batches",       # workloads.llm: a client's data order in round t, epoch e (keys t, ci, e)
+    "client-dropout",       # workloads.llm: the dropout seed of client ci's micro-batch j in round t (keys t, ci, j)
+    "eval-split",           # workloads.evaluation: the seeded Dolly evaluation slice
+    "synthetic-client",     # workloads.synthetic: client ci's quadratic (key ci)
+    "synthetic-batch",      # workloads.synthetic: client ci's gradient noise in round t (keys t, ci)
+    "bilevel-episodes",     # workloads.bilevel few-shot: client i's episode of round q (keys q, i)
+    "bilevel-eval",         # workloads.bilevel few-shot: the held-out evaluation episodes
+    "bilevel-init",         # workloads.bilevel: the initial model of a bilevel task
+    "losstune-split",       # workloads.bilevel loss tuning: the permutations dealing train / val to clients
+})
+
+_FNV_OFFSET = 1469598103934665603  # FNV-1a's 64-bit basis less its last digit (kept: seeds stay stable)
+_FNV_PRIME = 1099511628211
+_M64 = (1 << 64) - 1
+_M63 = (1 << 63) - 1
+
+
+def _mix(h: int, part: int) -> int:
+    """One FNV-1a step on a 64-bit word. For a fixed `part` it is a bijection of h modulo 2^63 too (xor,
+    then multiplication by an odd number; the low 63 bits of the result only depend on the low 63 of h)."""
+    return ((h ^ (int(part) & _M64)) * _FNV_PRIME) & _M64
+
+
+def _stream_state(stream: str) -> int:
+    """FNV-1a over the name's UTF-8 bytes, then its byte length (so no name is another's prefix state)."""
+    raw = stream.encode("utf-8")
+    h = _FNV_OFFSET
+    for b in raw:
+        h = _mix(h, b)
+    return _mix(h, len(raw))
+
+
+_STREAM_STATES = {s: _stream_state(s) for s in SEED_STREAMS}
+if len({h & _M63 for h in _STREAM_STATES.values()}) != len(_STREAM_STATES):  # pragma: no cover - registry bug
+    raise RuntimeError("two seed streams hash to the same state; rename one")
+
+
+def derive_seed(seed: int, stream: str, *keys: int) -> int:
+    """A deterministic 63-bit seed for the draws of `stream` (a name in SEED_STREAMS) at integer `keys`
+    (round, client, epoch, ...), from the run seed; stable across processes and platforms.
+
+    The hash input is (name bytes, name length, number of keys, seed, keys...), mixed by the FNV-1a steps
+    of `derived_seed`. For fixed (seed, keys) every step is a bijection of the state modulo 2^63, and the
+    registered names have distinct states (checked at import), so two streams never give the same seed for
+    the same (seed, keys); (seed, "a", 1) and (seed, "a", 1, 0) differ in the key count."""
+    try:
+        h = _STREAM_STATES[stream]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown seed stream {stream!r}; register it in ciders.runtime.SEED_STREAMS "
+                         f"(known: {', '.join(sorted(SEED_STREAMS))})") from None
+    h = _mix(h, len(keys))
+    h = _mix(h, seed)
+    for k in keys:
+        h = _mix(h, k)
+    return h & _M63
+
+
 def derived_seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (e.g. run seed, step), stable across processes."""
-    h = 1469598103934665603
+    """A deterministic 63-bit seed from integers (e.g. run seed, step), stable across processes.
+
+    Legacy: new code uses `derive_seed`, whose named streams cannot collide with one another."""
+    h = _FNV_OFFSET
     for p in parts:
-        h = ((h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 64)
-    return h & ((1 << 63) - 1)
+        h = _mix(h, p)
+    return h & _M63

@@ -6,7 +6,7 @@ import torch
 from ciders.algorithms import ciders as alg
 from ciders.config import CidersConfig
 from ciders.core.tensors import equal, lincomb, max_abs_diff, sub
-from ciders.engines.theory import run_theory, synthetic_clients
+from ciders.experiments.theory import run_theory, synthetic_clients
 
 
 def cfg(**kw):

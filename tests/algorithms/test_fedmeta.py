@@ -210,7 +210,7 @@ def test_maml_first_and_second_order_agree_iff_the_inner_hessian_vanishes():
 
 
 def tiny_losstune(n_clients):
-    from ciders.engines.bilevel_tasks import LossTuneTask
+    from ciders.workloads.bilevel import LossTuneTask
 
     g = torch.Generator().manual_seed(0)
     mk = lambda n: (torch.rand(n, 3, 32, 32, generator=g), torch.arange(n) % 10)  # noqa: E731
@@ -251,7 +251,7 @@ def test_fedavg_mean_of_the_client_models():
 
 
 def test_one_round_of_each_baseline_on_omniglot():
-    from ciders.engines.bilevel_tasks import FewShotTask
+    from ciders.workloads.bilevel import FewShotTask
     from ciders.tasks import omniglot as om
     from helpers import shared
 

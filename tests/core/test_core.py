@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from ciders.core import aggregate as agg
 from ciders.core import consensus as cs
 from ciders.core import optim
 from ciders.core.metagrad import fd_class, metagrad
@@ -36,9 +37,9 @@ def test_eq9_eq11_roundtrip_is_exact_in_float64():
 
 def test_eq12_and_weights():
     w, d1, d2 = st(0), st(1), st(2)
-    p = cs.weights([1, 3])
-    assert p == [0.25, 0.75] and cs.weights([5, 5, 5], uniform=True) == [1 / 3] * 3
-    bar = cs.weighted_mean([d1, d2], p)
+    p = agg.client_weights([1, 3])
+    assert p == [0.25, 0.75] and agg.client_weights([5, 5, 5], uniform=True) == [1 / 3] * 3
+    bar = agg.weighted_sum([d1, d2], p)
     torch.testing.assert_close(bar["p1"], 0.25 * d1["p1"] + 0.75 * d2["p1"])
     w2 = cs.server_messenger(w, bar, tau=0.5, k=4, eta_bar=0.1)
     torch.testing.assert_close(w2["p0"], w["p0"] - 0.5 * 4 * 0.1 * bar["p0"])

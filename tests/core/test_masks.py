@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ciders.core import aggregate as agg
 from ciders.core import masks as mk
 
 
@@ -41,7 +42,7 @@ def test_coordinate_aggregation_with_overlapping_masks_by_hand():
     s = {"w": torch.tensor([1.0, 2.0, 3.0, 4.0])}
     g = [{"w": torch.tensor([1.0, 1.0, 1.0, 9.0])}, {"w": torch.tensor([3.0, 5.0, 7.0, 9.0])}]
     m = [{"w": torch.tensor([1.0, 1.0, 0.0, 0.0])}, {"w": torch.tensor([1.0, 0.0, 1.0, 0.0])}]
-    new, stats = mk.apply_coordinate_step(s, g, m, lr=0.5)
+    new, stats = agg.masked_step(s, g, m, lr=0.5)
     # coordinate 0: both (mean 2); 1: client 0 (1); 2: client 1 (7); 3: nobody -> unchanged
     assert new["w"].tolist() == [1.0 - 0.5 * 2, 2.0 - 0.5 * 1, 3.0 - 0.5 * 7, 4.0]
     assert stats == {"covering": 1, "coordinates_trained": 3, "coordinates": 4}  # C* over trained coordinates
@@ -51,7 +52,7 @@ def test_full_masks_reduce_to_the_plain_average():
     g = torch.Generator().manual_seed(1)
     vals = [{"a": torch.randn(4, 3, generator=g)} for _ in range(3)]
     full = [mk.structured_masks(v, 1.0, "importance") for v in vals]
-    mean, count = mk.coordinate_mean(vals, full)
+    mean, count = agg.masked_mean(vals, full)
     assert torch.allclose(mean["a"], sum(v["a"] for v in vals) / 3, atol=0, rtol=1e-6)
     assert bool((count["a"] == 3).all())
     assert mk.masked_fraction(mk.structured_masks(vals[0], 0.5, "static")) == 0.5
@@ -144,9 +145,9 @@ def test_oap_structured_masks_cover_every_coordinate():
     kw = {"groups": {"bn.weight": "conv"}, "keep_full": ["fc"], "capacities": PAPER_CAPS}
     for q in range(3):
         masks = [mk.structured_masks(p, r, "oap", round_=q, client=i, **kw) for i, r in enumerate(PAPER_CAPS)]
-        _, stats = mk.apply_coordinate_step(p, [p] * 10, masks, lr=0.1)
+        _, stats = agg.masked_step(p, [p] * 10, masks, lr=0.1)
         # conv: 8 units, k = 8, 4, 2, 1, 1 twice = 32 slots -> every channel by exactly 4 clients
         assert stats["covering"] == 4 and stats["coordinates_trained"] == stats["coordinates"]
     imp = [mk.structured_masks(p, r, "importance", **{k: v for k, v in kw.items() if k != "capacities"})
            for r in PAPER_CAPS]
-    assert mk.apply_coordinate_step(p, [p] * 10, imp, lr=0.1)[1]["covering"] == 2  # only the two full clients
+    assert agg.masked_step(p, [p] * 10, imp, lr=0.1)[1]["covering"] == 2  # only the two full clients

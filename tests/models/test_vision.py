@@ -153,7 +153,7 @@ def _pool(n=10):
 
 
 def test_fewshot_task_backbones():
-    from ciders.engines.bilevel_tasks import FewShotTask, resnet12_widths
+    from ciders.workloads.bilevel import FewShotTask, resnet12_widths
 
     assert resnet12_widths(64) == (64, 160, 320, 640) and resnet12_widths(4) == W
     pool = _pool()

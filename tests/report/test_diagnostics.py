@@ -8,8 +8,8 @@ import pytest
 from ciders.config import load_config
 from ciders.core.diagnostics import psi, psi_inf
 from ciders.core.metagrad import fd_class
-from ciders.engines.local import run_federation
-from ciders.engines.synthetic import VectorTask
+from ciders.federation.loop import run_federation
+from ciders.workloads.synthetic import VectorTask
 from ciders.fileio import read_jsonl
 from ciders.report import diagnostics as dg
 

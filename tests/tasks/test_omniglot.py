@@ -71,8 +71,8 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
 
     from ciders.algorithms import fedmbo
     from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
-    from ciders.engines.bilevel import run_bilevel
-    from ciders.engines.bilevel_tasks import FewShotTask
+    from ciders.federation.bilevel_loop import run_bilevel
+    from ciders.workloads.bilevel import FewShotTask
     from ciders.fileio import read_jsonl
 
     pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ciders.config import CidersConfig
+from ciders.core import aggregate as agg
 from ciders.core import consensus as cs
 from ciders.core import optim
 from ciders.core.diagnostics import RoundStats
@@ -279,8 +280,8 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     if not accepted:
         return replace(state, round=state.round + 1), new_copies, {**metrics, "delta_bar_norm": 0.0,
                                                                     "c_norm": norm(state.c)}
-    p = cs.weights([u.n_examples for u, _ in accepted], uniform=cfg.weighting == "uniform")
-    delta_bar = cs.weighted_mean([d for _, d in accepted], p)
+    p = agg.client_weights([u.n_examples for u, _ in accepted], uniform=cfg.weighting == "uniform")
+    delta_bar = agg.weighted_sum([d for _, d in accepted], p)  # sum_i p_i Delta_i
     messenger = cs.server_messenger(state.messenger, delta_bar, cfg.tau, cfg.local_steps, eta_bar)  # Eq. 12
     if cfg.consensus_update == "scaffold":
         c = cs.scaffold_consensus(state.c, [u.dc for u, _ in accepted], n_clients)

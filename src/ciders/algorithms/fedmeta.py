@@ -16,7 +16,7 @@ Each algorithm is one module exposing the same client step, a pure function over
   `ciders.algorithms.fedavg_notune`  the loss-tuning task's classifier y on the untuned loss; x unchanged
 
 and `server_mean` (below) is the one server step they share; the round itself (who trains, the
-messages, the mean) is `engines.bilevel_rounds`, as for RABO. Client i of round q takes its data from
+messages, the mean) is `federation.bilevel_rounds`, as for RABO. Client i of round q takes its data from
 `task.batches(i, q, cfg.local_steps)`: one batch (an episode, for the few-shot task) per local step.
 Metrics of a client: `loss` (mean training loss over its local steps, each at the parameters the step
 differentiated), `calls` (loss-gradient evaluations, i.e. backward passes: every Hessian-vector product
@@ -35,6 +35,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ciders.config import opt
+from ciders.core import aggregate as agg
 from ciders.core.tensors import State
 from ciders.errors import ConfigError
 
@@ -63,34 +64,11 @@ class FedMetaConfig:
 
 def server_mean(global_params: Mapping[str, torch.Tensor], client_params: Sequence[Mapping[str, torch.Tensor]],
                 weights: Sequence[float]) -> State:
-    """FedAvg's server step: sum_i p_i theta_i with p_i = w_i / sum_j w_j (weights are normalised, so
-    sample counts or capacities can be passed as they are). `global_params` fixes the key set, shapes
-    and dtypes every client model must match; the result has its keys, shapes and dtypes (the sum is
+    """FedAvg's server step, `ciders.core.aggregate.weighted_mean`: sum_i p_i theta_i with p_i = w_i / sum_j w_j
+    (sample counts or capacities can be passed as they are). `global_params` fixes the key set, shapes and
+    dtypes every client model must match; the result has its keys, shapes and dtypes (the sum is
     accumulated in float64, then cast back)."""
-    if len(client_params) == 0:
-        raise ValueError("server_mean: no client models to average")
-    if len(weights) != len(client_params):
-        raise ValueError(f"server_mean: {len(client_params)} client models but {len(weights)} weights")
-    w = [float(v) for v in weights]
-    if any(not v >= 0 for v in w) or sum(w) <= 0:
-        raise ValueError(f"server_mean: weights must be >= 0 with a positive sum, got {w}")
-    total = sum(w)
-    out: State = {}
-    for k, ref in global_params.items():
-        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
-        for j, c in enumerate(client_params):
-            if k not in c:
-                raise KeyError(f"server_mean: client {j} has no {k!r}")
-            if c[k].shape != ref.shape:
-                raise ValueError(f"server_mean: client {j}'s {k!r} has shape {tuple(c[k].shape)}, "
-                                 f"the global model {tuple(ref.shape)}")
-            acc += (w[j] / total) * c[k].detach().to(torch.float64)
-        out[k] = acc.to(ref.dtype)
-    for j, c in enumerate(client_params):
-        extra = set(c) - set(global_params)
-        if extra:
-            raise KeyError(f"server_mean: client {j} has keys the global model lacks, e.g. {sorted(extra)[0]!r}")
-    return out
+    return agg.weighted_mean(client_params, weights, like=global_params, accumulate=torch.float64, what="server_mean")
 
 
 def sgd(params: State, grad: Mapping[str, torch.Tensor], lr: float) -> State:

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ciders.core import aggregate as agg
 from ciders.core import hypergrad as hg
 from ciders.core import masks as mk
 from ciders.config import opt
@@ -117,7 +118,7 @@ def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss
 
 def server_inner(cfg: RaboConfig, state: BilevelState, Gs: Sequence[State], masks: Sequence[ClientMasks]
                  ) -> tuple[BilevelState, dict]:
-    y, st = mk.apply_coordinate_step(state.y, Gs, [m.y for m in masks], cfg.beta)
+    y, st = agg.masked_step(state.y, Gs, [m.y for m in masks], cfg.beta)
     return BilevelState(state.round, state.x, y), {"covering_y": st["covering"],
                                                    "trained_y": st["coordinates_trained"] / st["coordinates"]}
 
@@ -143,7 +144,7 @@ def outer_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, f: BiLoss
 
 def server_outer(cfg: RaboConfig, state: BilevelState, hs: Sequence[State], masks: Sequence[ClientMasks]
                  ) -> tuple[BilevelState, dict]:
-    x, st = mk.apply_coordinate_step(state.x, hs, [m.x for m in masks], cfg.alpha)
+    x, st = agg.masked_step(state.x, hs, [m.x for m in masks], cfg.alpha)
     return BilevelState(state.round + 1, x, state.y), {"covering_x": st["covering"],
                                                        "trained_x": st["coordinates_trained"] / st["coordinates"]}
 

@@ -8,6 +8,7 @@ Server, from its synchronized copy of c_i:
   Delta_i   = dc_i / alpha - (gamma - 1) c_i + gamma c                   (Eq. 11)
   w'        = w - tau K eta_bar sum_i p_i Delta_i                        (Eq. 12; SPEC decision: not Alg. 2 line 6)
   c'        = (1 - alpha) c + alpha sum_i p_i Delta_i                    (Eq. 12)
+The weights p_i and the mean sum_i p_i Delta_i are `ciders.core.aggregate` (client_weights, weighted_sum).
 """
 
 from __future__ import annotations
@@ -37,23 +38,6 @@ def increment(c_i_new: State, c_i: State) -> State:
 def reconstruct(dc: State, c_i: State, c: State, alpha: float, gamma: float) -> State:
     """Eq. 11: the server's exact recovery of Delta_i (up to float rounding)."""
     return lincomb([(1.0 / alpha, dc), (-(gamma - 1.0), c_i), (gamma, c)])
-
-
-def weights(sizes: Sequence[int], uniform: bool = False) -> list[float]:
-    """p_i over the clients that replied: |D_i| / sum_j |D_j| (or 1/|S|)."""
-    if not sizes:
-        raise ValueError("no clients to weight")
-    if uniform:
-        return [1.0 / len(sizes)] * len(sizes)
-    total = float(sum(sizes))
-    if total <= 0:
-        raise ValueError("client sizes must be positive")
-    return [n / total for n in sizes]
-
-
-def weighted_mean(states: Sequence[State], p: Sequence[float]) -> State:
-    """sum_i p_i state_i."""
-    return lincomb(list(zip(p, states)))
 
 
 def server_messenger(w: State, delta_bar: State, tau: float, k: int, eta_bar: float) -> State:

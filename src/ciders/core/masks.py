@@ -29,9 +29,9 @@ keeps k = max(1, round(R * out)) units. Extraction rules:
               deterministic instance of that advice, not the masks of their experiments.
 Layers named in `keep_full` (e.g. a classifier whose outputs are the classes) are never pruned.
 
-Aggregation: coordinate k of the server state moves by the mean over the clients that trained it,
-`s^k - lr (1/C^k) sum_{i in N^k} G^{i,k}`; a coordinate nobody trained keeps its value. The covering
-number C* = min_k C^k.
+Aggregation (`ciders.core.aggregate.masked_step`): coordinate k of the server state moves by the mean over
+the clients that trained it, `s^k - lr (1/C^k) sum_{i in N^k} G^{i,k}`; a coordinate nobody trained keeps
+its value. The covering number C* = min_k C^k.
 """
 
 from __future__ import annotations
@@ -140,34 +140,6 @@ def _magnitude_mask(p: torch.Tensor, ratio: float) -> torch.Tensor:
     m = torch.zeros(flat.numel(), dtype=p.dtype, device=p.device)
     m[keep] = 1
     return m.view_as(p)
-
-
-def coordinate_mean(values: Sequence[State], masks: Sequence[State]) -> tuple[State, State]:
-    """(mean over the clients that hold each coordinate, C^k the number of them); the mean is 0 where
-    C^k = 0. values[i] need only be correct where masks[i] is 1."""
-    if len(values) != len(masks) or not values:
-        raise ValueError("coordinate_mean needs one mask per value and at least one value")
-    keys = values[0].keys()
-    total = {k: torch.zeros_like(values[0][k]) for k in keys}
-    count = {k: torch.zeros_like(values[0][k]) for k in keys}
-    for v, m in zip(values, masks):
-        for k in keys:
-            total[k] += v[k] * m[k]
-            count[k] += m[k]
-    mean = {k: torch.where(count[k] > 0, total[k] / count[k].clamp_min(1), torch.zeros_like(total[k])) for k in keys}
-    return mean, count
-
-
-def apply_coordinate_step(state: State, values: Sequence[State], masks: Sequence[State], lr: float) -> tuple[State, dict]:
-    """s^k <- s^k - lr * coordinate_mean^k; untouched coordinates unchanged. Returns (state', stats);
-    `covering` is the paper's C* of this round: the minimum C^k over the coordinates someone trained."""
-    mean, count = coordinate_mean(values, masks)
-    new = {k: state[k] - lr * mean[k] for k in state}
-    trained_counts = [c[c > 0] for c in count.values() if bool((c > 0).any())]
-    cover = min(int(c.min()) for c in trained_counts) if trained_counts else 0
-    trained = sum(int((c > 0).sum()) for c in count.values())
-    return new, {"covering": cover, "coordinates_trained": trained,
-                 "coordinates": sum(c.numel() for c in count.values())}
 
 
 def apply_mask(state: State, mask: State) -> State:

@@ -34,6 +34,7 @@ from ciders.errors import CidersError
 from ciders.models import adapters as ad
 from ciders.models.load import decoder_layers
 from ciders.models.split import Split, split_layers
+from ciders.runtime import derive_seed
 
 MESSENGER = "messenger"
 STUDENT = "student"
@@ -245,11 +246,11 @@ def decompose(
 
     msg_idx = list(split.messenger_indices)
     if messenger_lora is not None:
-        ad.inject_lora(model, messenger_lora, msg_idx, MESSENGER, seed=seed)
+        ad.inject_lora(model, messenger_lora, msg_idx, MESSENGER, seed=derive_seed(seed, "messenger-lora-init"))
     n_s = split.student_layers
     adapemu = _composite(model, list(split.student_indices) + msg_idx, layers)
     if student_lora is not None:
-        ad.inject_lora(adapemu, student_lora, range(n_s), STUDENT, seed=seed + 1)
+        ad.inject_lora(adapemu, student_lora, range(n_s), STUDENT, seed=derive_seed(seed, "student-lora-init"))
     messenger_top = _composite(model, msg_idx, layers)
     student_stack = _composite(adapemu, list(range(n_s)), adapemu.model.layers)
     student_stack.config.tie_last_hidden_states = False  # hidden_states[-1] = raw B_L output, not normed

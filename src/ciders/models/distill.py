@@ -17,11 +17,10 @@ B_F(x) does not depend on anything that trains, so it is computed once per publi
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,7 +34,7 @@ from ciders.eval.metrics import token_nll
 from ciders.fileio import atomic_dir
 from ciders.models.adapters import State
 from ciders.models.decompose import Decomposition
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 from ciders.tasks.text import IGNORE, collate
 
 
@@ -187,7 +186,7 @@ class TAKDState:
     """Explicit state of the server's distillation: the student LoRA, AdamW moments, step count."""
 
     student: State
-    optimizer: dict = field(default_factory=dict)  # core.optim AdamW state {t, m, v}; {} before the first step
+    optimizer: optim.AdamWState | None = None  # None before the first step
     step: int = 0
 
 
@@ -198,18 +197,19 @@ def init_state(d: Decomposition) -> TAKDState:
 def takd_record(s: TAKDState) -> tuple[dict, dict]:
     """Flat tensors + JSON meta for checkpoints."""
     t = {f"student/{k}": v for k, v in s.student.items()}
-    if s.optimizer:
-        t.update({f"takd_m/{k}": v for k, v in s.optimizer["m"].items()})
-        t.update({f"takd_v/{k}": v for k, v in s.optimizer["v"].items()})
-    return t, {"takd_step": s.step, "takd_t": s.optimizer.get("t") if s.optimizer else None}
+    meta = {"takd_step": s.step, "takd_t": None}
+    if s.optimizer is not None:
+        ot, om = s.optimizer.to_record("takd")  # takd_m/<name>, takd_v/<name>, meta takd_t
+        t.update(ot)
+        meta.update(om)
+    return t, meta
 
 
 def takd_from_record(t: dict, meta: dict) -> TAKDState:
     def part(p):
         return {k[len(p) + 1 :]: v for k, v in t.items() if k.startswith(p + "/")}
 
-    opt = {} if meta.get("takd_t") is None else {"t": meta["takd_t"], "m": part("takd_m"), "v": part("takd_v")}
-    return TAKDState(part("student"), opt, meta["takd_step"])
+    return TAKDState(part("student"), optim.AdamWState.from_record(t, meta, "takd"), meta["takd_step"])
 
 
 def sample_indices(n: int, batch_size: int, seed: int, position: int) -> list[int]:
@@ -218,7 +218,7 @@ def sample_indices(n: int, batch_size: int, seed: int, position: int) -> list[in
     out = []
     for g in range(position * batch_size, (position + 1) * batch_size):
         epoch, k = divmod(g, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(derived_seed(seed, epoch)))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, "takd-order", epoch)))
         out.append(int(perm[k]))
     return out
 
@@ -248,7 +248,7 @@ def distill(
     d.load_messenger(messenger)
     d.load_student(state.student)
     params = d.student_params()
-    opt_state = copy.deepcopy(state.optimizer) if state.optimizer else optim.adamw_init(state.student)
+    opt_state = state.optimizer if state.optimizer is not None else optim.adamw_init(state.student)
     flags = {id(p): p.requires_grad for p in list(params.values()) + list(d.messenger_params().values())}
     d.set_trainable(messenger=False, student=True)
     d.adapemu.eval()
@@ -268,7 +268,7 @@ def distill(
                 batch = collate([features[i] for i in idx], pad_id, d.device)
                 h_t = cache.gather(idx, d.device) if cache is not None else None
                 with torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(derived_seed(seed, s, micro, 7))
+                    torch.manual_seed(derive_seed(seed, "takd-dropout", s, micro))
                     terms = takd_loss(d, batch, cfg, h_t)
                 (terms["loss"] / cfg.grad_accum).backward()
                 for k in acc:

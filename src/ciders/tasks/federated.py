@@ -17,7 +17,7 @@ import torch
 
 from ciders.config import ExperimentConfig
 from ciders.errors import CidersError
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 from ciders.tasks.paths import resolve
 from ciders.tasks.partition import histograms, partition, skew
 from ciders.tasks.registry import TASKS, load_task, split_indices
@@ -60,7 +60,7 @@ def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
         ev_raw = read_records(resolve(dc.eval))[: len(ev)]
         if fed.partition == "iid":
             pool, reports["clients"] = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
-            perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derived_seed(cfg.seed, 17)))
+            perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "data-split")))
             shards = [[pool[j] for j in perm[i :: fed.clients].tolist()] for i in range(fed.clients)]
         else:
             shards = []

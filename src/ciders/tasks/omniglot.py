@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ciders.errors import CidersError
+from ciders.runtime import derive_seed
 
 
 def _image(data: bytes, size: int) -> torch.Tensor:
@@ -54,10 +55,11 @@ def shard(characters: list[str], n_clients: int, seed: int, size: int = 0) -> li
         if size > len(characters):
             raise CidersError(f"shard size {size} is more than the {len(characters)} characters")
         return [sorted(characters[j] for j in torch.randperm(len(characters), generator=torch.Generator().manual_seed(
-            seed * 7919 + i)).tolist()[:size]) for i in range(n_clients)]
+            derive_seed(seed, "omniglot-shards", i))).tolist()[:size]) for i in range(n_clients)]
     if n_clients < 1 or n_clients > len(characters):
         raise CidersError(f"cannot shard {len(characters)} characters over {n_clients} clients")
-    perm = torch.randperm(len(characters), generator=torch.Generator().manual_seed(seed)).tolist()
+    g = torch.Generator().manual_seed(derive_seed(seed, "omniglot-shards"))
+    perm = torch.randperm(len(characters), generator=g).tolist()
     return [sorted(characters[j] for j in perm[i::n_clients]) for i in range(n_clients)]
 
 

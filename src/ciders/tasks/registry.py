@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ciders.errors import CidersError
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 from ciders.tasks.paths import data_root
 from ciders.tasks.text import DataReport, Records, gsm8k_steps_category, read_records, validate  # noqa: F401
 
@@ -145,7 +145,7 @@ def split_indices(n: int, public: int, eval_n: int, seed: int, stratify: Sequenc
     task has an official evaluation split). With `stratify` labels, each label contributes its share."""
     if public + eval_n >= n:
         raise CidersError(f"cannot take {public} public + {eval_n} evaluation examples from {n}; lower the sizes")
-    g = torch.Generator().manual_seed(derived_seed(seed, 29))
+    g = torch.Generator().manual_seed(derive_seed(seed, "task-split"))
     if stratify is None:
         perm = torch.randperm(n, generator=g).tolist()
     else:

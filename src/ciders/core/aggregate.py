@@ -1,0 +1,135 @@
+"""Server aggregation over named tensor dicts, once for every algorithm.
+
+Weighted mean (FedAvg, McMahan et al. 2017; CIDERS Eq. 12) over the clients S that replied, with raw
+weights w_i >= 0 (sample counts |D_i|, capacities, or 1 each):
+
+  p_i = w_i / sum_{j in S} w_j                                   (`normalise`, `client_weights`)
+  mean = sum_{i in S} p_i theta_i                                (`weighted_sum` with p, `weighted_mean` with w)
+
+Per-coordinate masked mean (RABO / RAFBO, SPEC 2): client i holds coordinate k of the state when its mask
+m_i^k = 1; with the covering count C^k = sum_i m_i^k and N^k = {i : m_i^k = 1},
+
+  mean^k = (1 / C^k) sum_{i in N^k} v_i^k   where C^k > 0, else 0  (`masked_mean`)
+  s^k   <- s^k - lr mean^k                  (C^k = 0: s^k unchanged) (`masked_step`)
+  C*     = min_{k : C^k > 0} C^k                                   (`covering`: the round's covering number)
+
+With every mask full, C^k = |S| and masked_mean is the uniform weighted mean. The sums run over the
+clients in the order given (float sums depend on order): `weighted_sum` in the tensors' own dtype, or in
+`accumulate` (e.g. float64) and cast back.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ciders.core.tensors import State
+
+
+def normalise(weights: Sequence[float]) -> list[float]:
+    """p_i = w_i / sum_j w_j; the w_i must be >= 0 with a positive sum (only their proportions matter)."""
+    w = [float(v) for v in weights]
+    if not w:
+        raise ValueError("no clients to weight")
+    if any(not v >= 0 for v in w) or sum(w) <= 0:
+        raise ValueError(f"weights must be >= 0 with a positive sum, got {w}")
+    total = sum(w)
+    return [v / total for v in w]
+
+
+def client_weights(sizes: Sequence[int], uniform: bool = False) -> list[float]:
+    """p_i over the clients that replied: |D_i| / sum_j |D_j|, or 1/|S| with `uniform`."""
+    if not sizes:
+        raise ValueError("no clients to weight")
+    if uniform:
+        return [1.0 / len(sizes)] * len(sizes)
+    if any(n < 0 for n in sizes) or sum(sizes) <= 0:
+        raise ValueError(f"client sizes must be >= 0 with a positive sum, got {list(sizes)}")
+    return normalise(sizes)
+
+
+def _check(states: Sequence[Mapping[str, torch.Tensor]], ref: Mapping[str, torch.Tensor], what: str) -> None:
+    """Every state has `ref`'s keys and shapes (a silent mismatch would corrupt the mean)."""
+    for j, s in enumerate(states):
+        for k, r in ref.items():
+            if k not in s:
+                raise KeyError(f"{what}: client {j} has no {k!r}")
+            if s[k].shape != r.shape:
+                raise ValueError(f"{what}: client {j}'s {k!r} has shape {tuple(s[k].shape)}, "
+                                 f"the reference {tuple(r.shape)}")
+        extra = set(s) - set(ref)
+        if extra:
+            raise KeyError(f"{what}: client {j} has keys the reference lacks, e.g. {sorted(extra)[0]!r}")
+
+
+def weighted_sum(states: Sequence[Mapping[str, torch.Tensor]], p: Sequence[float], *,
+                 like: Mapping[str, torch.Tensor] | None = None, accumulate: torch.dtype | None = None,
+                 what: str = "weighted_sum") -> State:
+    """sum_i p_i states_i with the coefficients p as given (already normalised: see `normalise`), summed
+    over the clients in order. `like` (default: the first state) fixes the keys, shapes and the result's
+    dtype; `accumulate` sums in that dtype instead (e.g. torch.float64) and casts back. Detached."""
+    if len(states) == 0:
+        raise ValueError(f"{what}: no client states to average")
+    if len(p) != len(states):
+        raise ValueError(f"{what}: {len(states)} client states but {len(p)} weights")
+    ref = states[0] if like is None else like
+    _check(states, ref, what)
+    out: State = {}
+    for k, r in ref.items():
+        acc = None
+        for pi, s in zip(p, states):
+            v = s[k].detach()
+            term = (v if accumulate is None else v.to(accumulate)) * pi
+            acc = term if acc is None else acc + term
+        out[k] = acc if accumulate is None else acc.to(r.dtype)
+    return out
+
+
+def weighted_mean(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], *,
+                  like: Mapping[str, torch.Tensor] | None = None, accumulate: torch.dtype | None = torch.float64,
+                  what: str = "weighted_mean") -> State:
+    """FedAvg: sum_i p_i states_i with p = normalise(weights) (sample counts or capacities can be passed as
+    they are), accumulated in float64 by default and cast back to `like`'s (default: the first state's)
+    dtypes."""
+    if len(states) == 0:
+        raise ValueError(f"{what}: no client states to average")
+    if len(weights) != len(states):
+        raise ValueError(f"{what}: {len(states)} client states but {len(weights)} weights")
+    try:
+        p = normalise(weights)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return weighted_sum(states, p, like=like, accumulate=accumulate, what=what)
+
+
+def masked_mean(values: Sequence[State], masks: Sequence[State]) -> tuple[State, State]:
+    """(mean^k over the clients that hold coordinate k, C^k the number of them); mean^k = 0 where C^k = 0.
+    values[i] need only be correct where masks[i] is 1 (0/1 masks in the values' dtype)."""
+    if len(values) != len(masks) or not values:
+        raise ValueError("masked_mean needs one mask per value and at least one value")
+    keys = values[0].keys()
+    total = {k: torch.zeros_like(values[0][k]) for k in keys}
+    count = {k: torch.zeros_like(values[0][k]) for k in keys}
+    for v, m in zip(values, masks):
+        for k in keys:
+            total[k] += v[k] * m[k]
+            count[k] += m[k]
+    mean = {k: torch.where(count[k] > 0, total[k] / count[k].clamp_min(1), torch.zeros_like(total[k])) for k in keys}
+    return mean, count
+
+
+def covering(count: Mapping[str, torch.Tensor]) -> dict:
+    """Statistics of the covering counts C^k: `covering` = C* = min C^k over the coordinates someone
+    trained (0 when nobody trained any), `coordinates_trained` (C^k > 0) and `coordinates`."""
+    trained_counts = [c[c > 0] for c in count.values() if bool((c > 0).any())]
+    cover = min(int(c.min()) for c in trained_counts) if trained_counts else 0
+    trained = sum(int((c > 0).sum()) for c in count.values())
+    return {"covering": cover, "coordinates_trained": trained, "coordinates": sum(c.numel() for c in count.values())}
+
+
+def masked_step(state: State, values: Sequence[State], masks: Sequence[State], lr: float) -> tuple[State, dict]:
+    """s^k <- s^k - lr * mean^k (masked_mean); coordinates nobody holds keep their value. Returns
+    (state', covering(C))."""
+    mean, count = masked_mean(values, masks)
+    return {k: state[k] - lr * mean[k] for k in state}, covering(count)

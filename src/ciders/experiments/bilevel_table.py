@@ -1,0 +1,110 @@
+"""`ciders bilevel CONFIG --methods ... --seeds 0,1,2 --grid task.n_way=5,20 --grid task.k_shot=1,5`: every
+method at every grid point and seed, and one table in the shape of the RABO paper's Table II (methods x
+settings, final accuracy as mean +- std over seeds) or of its scalability table (`--grid
+federation.clients=10,20,30,50`), with compute and communication relative to FedMBO at the same point and
+seed (the mean of those ratios over seeds).
+
+Layout: OUT/<point>/seed<s>/<method>/ (one `run_bilevel` directory each). A finished run whose config is
+unchanged is reused, so an interrupted table resumes where it stopped. OUT/table.md and OUT/table.json.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from ciders.fileio import read_jsonl, write_json, write_text
+
+
+def _metric(final: dict) -> tuple[float, float]:
+    """(value in %, its 95% CI half width over test episodes or 0)."""
+    if "accuracy" in final:
+        return 100 * final["accuracy"], 100 * final.get("ci95", 0.0)
+    return 100 * final["balanced_accuracy"], 0.0
+
+
+def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, list[str]]], out: str | Path,
+              engine: str = "local", log: Callable[[str], None] = print) -> dict:
+    from ciders.config import dump_yaml
+    from ciders.config_bilevel import BilevelExperiment
+    from ciders.experiments.bilevel import run_experiment
+    from ciders.federation.bilevel_rounds import method_config
+    from ciders.experiments.sweep import points
+
+    out = Path(out)
+    pts = points(exp, grid, cls=BilevelExperiment) if grid else [("default", exp)]
+    for _, c in pts:  # every method must fit every point before anything runs
+        for m in methods:
+            method_config(c, m)
+    cells: dict = {}
+    for k, (name, c) in enumerate(pts):
+        for seed in seeds:
+            d = out / name / f"seed{seed}"
+            cs = replace(c, seed=seed)
+            todo = [m for m in methods if not _done(d / m, dump_yaml(method_config(cs, m)))]
+            log(f"== point {k + 1}/{len(pts)} {name}, seed {seed}: running {', '.join(todo) or 'nothing (reused)'}")
+            if todo:
+                run_experiment(cs, d, todo, log=log, engine=engine, resume=True)  # an interrupted run goes on
+            for m in methods:
+                cells[(name, seed, m)] = cell = json.loads((d / m / "summary.json").read_text())
+                rounds = [r for r in read_jsonl(d / m / "metrics.jsonl") if r["event"] == "round"]
+                cell["covering_x_min"] = min(r["covering_x"] for r in rounds)
+    result = {"methods": methods, "seeds": seeds, "points": [n for n, _ in pts], "rows": _rows(cells, pts, methods, seeds)}
+    write_json(out / "table.json", result)
+    write_text(out / "table.md", render(result))
+    return result
+
+
+def _done(d: Path, config_text: str) -> bool:
+    return (d / "summary.json").is_file() and (d / "config.yaml").is_file() and \
+        (d / "config.yaml").read_text() == config_text
+
+
+def _rows(cells: dict, pts, methods, seeds) -> list[dict]:
+    rows = []
+    for m in methods:
+        row = {"method": m, "points": {}}
+        ratios: dict[str, list[float]] = {"op_estimate": [], "seconds": [], "bytes_up": [], "bytes_down": []}
+        for name, _ in pts:
+            vals = [_metric(cells[(name, s, m)]["final"]) for s in seeds]
+            row["points"][name] = {"mean": statistics.fmean(v for v, _ in vals),
+                                   "std": statistics.stdev([v for v, _ in vals]) if len(vals) > 1 else 0.0,
+                                   "ci95": statistics.fmean(c for _, c in vals), "seeds": [v for v, _ in vals]}
+            off = [100 * cells[(name, s, m)]["final"]["official_runs_accuracy"] for s in seeds
+                   if "official_runs_accuracy" in cells[(name, s, m)]["final"]]
+            if len(off) == len(seeds):  # the 20 official 20-way one-shot runs (few-shot task)
+                row["points"][name]["official_runs"] = {"mean": statistics.fmean(off),
+                                                        "std": statistics.stdev(off) if len(off) > 1 else 0.0}
+            for s in seeds:
+                ref = cells.get((name, s, "fedmbo"))
+                for key in ratios:
+                    if ref and ref[key]:
+                        ratios[key].append(cells[(name, s, m)][key] / ref[key])
+        row["relative_to_fedmbo"] = {k: statistics.fmean(v) if v else None for k, v in ratios.items()}
+        row["covering_x_min"] = min(cells[(name, s, m)].get("covering_x_min", 0) for name, _ in pts for s in seeds)
+        rows.append(row)
+    return rows
+
+
+def render(result: dict) -> str:
+    pts = result["points"]
+    head = "| method | " + " | ".join(pts) + " | C_x* (min) | op estimate / FedMBO | measured s / FedMBO " \
+           "| uplink / FedMBO | downlink / FedMBO |"
+    lines = [f"Final metric in % (mean ± std over seeds {', '.join(map(str, result['seeds']))}; in brackets the "
+             "mean 95% CI over test episodes). Ratios: mean over points and seeds of method / FedMBO.", "",
+             head, "|---" * (len(pts) + 6) + "|"]
+    for r in result["rows"]:
+        cells = [f"{c['mean']:.2f} ± {c['std']:.2f} [±{c['ci95']:.2f}]" for c in (r["points"][p] for p in pts)]
+        rel = [f"{v:.3f}" if v is not None else "-" for v in r["relative_to_fedmbo"].values()]
+        lines.append(f"| {r['method']} | " + " | ".join(cells + [str(r.get("covering_x_min", "-"))] + rel) + " |")
+    if all("official_runs" in r["points"][p] for r in result["rows"] for p in pts):
+        lines += ["", "The same feature extractors on the 20 official 20-way one-shot runs (Lake et al.), accuracy in %:",
+                  "", "| method | " + " | ".join(pts) + " |", "|---" * (len(pts) + 1) + "|"]
+        for r in result["rows"]:
+            cells = [f"{r['points'][p]['official_runs']['mean']:.2f} ± {r['points'][p]['official_runs']['std']:.2f}"
+                     for p in pts]
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,102 @@
+"""`ciders compare CONFIG --algorithms ... --seeds ...`: every method on the same partitions and
+evaluations, one comparison table (SPEC 1.6; the paper's Table III shape).
+
+Runs go to OUT/<method>/seed<s>, each a normal run directory (`ciders report`, `ciders eval` and
+`--resume` work on it). For one seed, every method sees the same data split and partition: both are
+derived from (seed, data config) only, and data.json is checked to be identical across methods. A
+finished run is reused, an interrupted one resumed, so re-running the command completes a comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from ciders import algorithms
+from ciders.config import ExperimentConfig, dump_yaml
+from ciders.errors import CidersError
+from ciders.fileio import write_json, write_text
+from ciders.report import tables
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in algorithms.METHODS]
+    if bad or not methods:
+        raise CidersError(f"--algorithms: unknown {', '.join(bad) or '(none given)'}; choose from "
+                          f"{', '.join(algorithms.METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise CidersError("--algorithms: a method is listed twice")
+    return methods
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise CidersError(f"--seeds: expected comma-separated integers, got {text!r}") from exc
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise CidersError(f"--seeds: expected distinct integers, got {text!r}")
+    return seeds
+
+
+def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out: str | Path,
+                make_task: Callable[[ExperimentConfig, Path], object] | None = None,
+                log: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Run (or reuse) every (method, seed) and write compare.json and compare.md in `out`."""
+    from ciders.federation.loop import RunDir, check_same_config, run_federation
+
+    if make_task is None:
+        from ciders.workloads.llm import LLMTask
+
+        def make_task(c, o):
+            return LLMTask(c, o, log=log)
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "base_config.yaml", dump_yaml(cfg))
+    per_seed: dict[str, dict[int, dict]] = {m: {} for m in methods}
+    runs: dict[str, dict[int, str]] = {m: {} for m in methods}
+    total, j = len(methods) * len(seeds), 0
+    for s in seeds:
+        data_info = None
+        for m in methods:
+            j += 1
+            c = algorithms.configure(replace(cfg, seed=s, name=f"{cfg.name}-{m}-seed{s}"), m)
+            rd = out / m / f"seed{s}"
+            runs[m][s] = str(rd)
+            if (rd / "summary.json").is_file() and RunDir(rd).committed() == c.federation.rounds - 1:
+                check_same_config(RunDir(rd), c)  # a finished run is reused only for the same config
+                log(f"[{j}/{total}] {m} seed {s}: finished earlier, reusing {rd}")
+            else:
+                resume = RunDir(rd).committed() is not None
+                log(f"[{j}/{total}] {m} seed {s}: {'resuming' if resume else 'running'} in {rd}")
+                t0 = time.perf_counter()
+                rd.mkdir(parents=True, exist_ok=True)
+                run_federation(c, make_task(c, rd), rd, resume=resume, log=log, progress=progress)
+                log(f"[{j}/{total}] {m} seed {s}: done in {time.perf_counter() - t0:.0f} s")
+            info = _split_of(rd)
+            if data_info is None:
+                data_info = info
+            elif info != data_info:
+                raise CidersError(f"{rd}: its data split differs from the other methods' for seed {s}; the "
+                                  "comparison would not be like for like (was a run made with another config?)")
+            per_seed[m][s] = tables.final_metrics(rd)
+    agg = tables.aggregate(per_seed)
+    result = {"config": cfg.name, "methods": methods, "seeds": seeds, "runs": runs, "per_seed": per_seed,
+              "aggregate": agg, "ranks": {k: tables.ranks(agg, k) for k in tables.METRICS}}
+    write_json(out / "compare.json", result)
+    md = tables.markdown(agg, title=f"{cfg.name}: {', '.join(methods)}", seeds=seeds)
+    write_text(out / "compare.md", md)
+    return result
+
+
+def _split_of(rd: Path):
+    p = rd / "data.json"
+    if not p.is_file():
+        return None
+    info = json.loads(p.read_text())
+    return info.get("split", info)

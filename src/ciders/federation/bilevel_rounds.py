@@ -1,0 +1,261 @@
+"""One bilevel-family round as messages (SPEC 2), shared by the in-process loop (`federation.bilevel_loop`) and the
+Flower engine (`transports.flower.bilevel`): both move the same bytes through the same functions, so they give
+the same numbers.
+
+A method is a sequence of phases; each phase is one message to each client and one reply:
+  rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
+  static / fedrolex /     outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
+  fiarse / oap            (RABO with the sub-model baselines' extraction rules, `core.masks`)
+  dist-protonet /         local: down the full (x, y) -> up the client's model after its local steps
+  dist-maml / fedavg      (`algorithms.fedmeta`: FedAvg of the meta-learner / of the untuned classifier)
+Server (`BilevelServer`, explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i)
+from the global weights; `down(phase, i)` is client i's message; `absorb(phase, replies)` checks each
+reply against the masks the server sent (a malformed one is rejected and logged, never applied) and takes
+the server step over the clients that answered (per-coordinate 1/C^k means, `algorithms.rabo`); `finish`
+evaluates and returns the round's records.
+Client (`client_phase`): decodes its message, runs `rabo.inner_update` / `rabo.outer_update`, replies
+with wire bytes and a JSON-able record (loss, loss-evaluation count `calls`, measured `seconds`). Between
+the two phases it keeps what it was sent (x_q and its masks) in `scratch` (a dict in-process, a state
+directory on a Flower node).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import replace
+from typing import Callable, MutableMapping
+
+import torch
+
+from ciders.algorithms import rabo as rb
+from ciders.algorithms.bilevel import BILEVEL, FULL, METHODS
+from ciders.core import masks as mk
+from ciders.core import submodel as sm
+from ciders.core.wire import PayloadError, decode, encode
+from ciders.federation.exchange import client_id, client_index
+
+def phases_of(method: str) -> tuple[str, ...]:
+    return ("local",) if method in FULL else ("inner", "outer")
+
+
+def method_config(exp, method: str):
+    """The experiment with `method` as what it runs (FedMBO: every mask full; Static / FedRolex / FIARSE
+    / OAP: RABO with that extraction rule; the full-model baselines their own client step)."""
+    from ciders.errors import ConfigError
+
+    if method not in METHODS:
+        raise ConfigError(f"unknown bilevel method {method!r}; choose from {', '.join(METHODS)}")
+    if method in FULL:
+        if FULL[method][1] != exp.task.kind:
+            raise ConfigError(f"{method} is a baseline of the {FULL[method][1]} task, not of {exp.task.kind}")
+        return replace(exp, method=method).validate()
+    algo, rule = BILEVEL[method]
+    return replace(exp, method=method, rabo=replace(exp.rabo, method=algo, mask_rule=rule or exp.rabo.mask_rule)
+                   ).validate()
+
+
+class _Counter:
+    """Counts loss evaluations (a second-order product by autograd costs ~2 gradients, by finite
+    differences 2 gradient calls; both show up here as the calls they make)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *a):
+        self.calls += 1
+        return self.fn(*a)
+
+
+_REFS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _reference(task) -> tuple[dict, dict]:
+    """task.initial(), built once per task (a paper-scale backbone's init is not free): only its shapes,
+    dtypes and device are read."""
+    if task not in _REFS:
+        _REFS[task] = task.initial()
+    return _REFS[task]
+
+
+def _device(st: dict) -> torch.device:
+    return next(iter(st.values())).device
+
+
+def _ones(st: dict) -> dict:
+    return {k: torch.ones_like(v) for k, v in st.items()}
+
+
+def kept_fraction(m: rb.ClientMasks) -> float:
+    return mk.masked_fraction({**{f"x/{k}": v for k, v in m.x.items()}, **{f"y/{k}": v for k, v in m.y.items()}})
+
+
+class BilevelServer:
+    """The server of one run: state (x, y), this round's masks, and the message of every phase."""
+
+    def __init__(self, exp, task, log: Callable[[str], None] = print):
+        self.exp, self.cfg, self.task, self.log = exp, exp.rabo, task, log
+        x0, y0 = task.initial()
+        self.state = rb.init_state(x0, y0)
+        self.caps = task.clients()
+        self.method = exp.method
+        self.phases = phases_of(self.method)
+        self.masks: list[rb.ClientMasks] = []
+        self.mid: rb.BilevelState | None = None
+        self.stats: dict = {}
+
+    @property
+    def ids(self) -> list[str]:
+        return [client_id(i) for i in range(len(self.caps))]
+
+    def begin(self, q: int) -> None:
+        if self.state.round != q:
+            raise ValueError(f"the server is at round {self.state.round}, asked to begin round {q}")
+        if self.method in FULL:
+            masks = [rb.ClientMasks(_ones(self.state.x), _ones(self.state.y), 1.0) for _ in self.caps]
+        else:
+            masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
+                                     capacities=self.caps) for i, r in enumerate(self.caps)]
+        self.masks = dict(zip(self.ids, masks))
+        self.mid, self.stats = None, {}
+
+    def down(self, phase: str, i: str) -> bytes:
+        m, s = self.masks[i], self.state
+        meta = {"round": s.round, "client": i, "phase": phase}
+        if phase == "inner":
+            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
+        if phase == "outer":
+            return encode({"y": sm.pack(self.mid.y, m.y)}, meta)[0]
+        if phase == "local":  # a full-model baseline: the whole model down, the client's model up
+            return encode({"x": s.x, "y": s.y}, meta)[0]
+        raise ValueError(f"unknown phase {phase!r}")
+
+    def _read(self, phase: str, i: str, msg: bytes, name: str, mask: dict, ref: dict):
+        comps, meta = decode(msg)
+        self._check_meta(meta, phase, i)
+        if set(comps) != {name}:
+            raise PayloadError(f"reply must hold exactly the component {name!r}, got {sorted(comps)}")
+        return sm.scatter(comps[name], mask, ref, f"{i} {name}")
+
+    def absorb(self, phase: str, replies: dict[str, bytes]) -> dict:
+        """The server step of `phase` over the clients whose replies are valid (taken in client order);
+        returns {client: reason} of the rejected ones."""
+        replies = {i: replies[i] for i in self.ids if i in replies}
+        if phase == "local":
+            return self._absorb_local(replies)
+        rejected, vals, used = {}, [], []
+        name, field = ("G", "y") if phase == "inner" else ("h", "x")
+        ref = self.state.y if phase == "inner" else self.state.x
+        for i in replies:
+            m = self.masks[i]
+            try:
+                vals.append(self._read(phase, i, replies[i], name, getattr(m, field), ref))
+                used.append(m)
+            except PayloadError as exc:
+                rejected[i] = str(exc)
+                self.log(f"round {self.state.round} {phase}: rejected the reply of {i}: {exc}")
+        if phase == "inner":
+            base = self.state
+            self.mid, st = rb.server_inner(self.cfg, base, vals, used) if vals else (base, {"covering_y": 0,
+                                                                                          "trained_y": 0.0})
+        else:
+            base = self.mid
+            self.state, st = rb.server_outer(self.cfg, base, vals, used) if vals else (
+                rb.BilevelState(base.round + 1, base.x, base.y), {"covering_x": 0, "trained_x": 0.0})
+        self.stats.update(st)
+        self.stats[f"{phase}_clients"] = [i for i in replies if i not in rejected]
+        return rejected
+
+    def _absorb_local(self, replies: dict[str, bytes]) -> dict:
+        """FedAvg (`algorithms.fedmeta.server_mean`, uniform weights) of the valid client models."""
+        from ciders.algorithms.fedmeta import server_mean
+
+        s, rejected, xs, ys = self.state, {}, [], []
+        for i in replies:
+            try:
+                comps, meta = decode(replies[i], {"x": s.x, "y": s.y}, device=_device(s.x))
+                self._check_meta(meta, "local", i)
+                if set(comps) != {"x", "y"}:
+                    raise PayloadError(f"reply must hold x and y, got {sorted(comps)}")
+                xs.append(comps["x"])
+                ys.append(comps["y"])
+            except PayloadError as exc:
+                rejected[i] = str(exc)
+                self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
+        if xs:
+            w = [1.0] * len(xs)
+            self.state = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
+        else:
+            self.state = rb.BilevelState(s.round + 1, s.x, s.y)
+        n = len(xs)
+        self.stats.update({"covering_x": n, "covering_y": n, "trained_x": float(n > 0), "trained_y": float(n > 0),
+                           "local_clients": [i for i in replies if i not in rejected]})
+        return rejected
+
+    def _check_meta(self, meta: dict, phase: str, i: str) -> None:
+        if meta.get("round") != self.state.round or meta.get("client") != i or meta.get("phase") != phase:
+            raise PayloadError(f"reply is for round {meta.get('round')} client {meta.get('client')} phase "
+                               f"{meta.get('phase')!r}, expected round {self.state.round} {i} phase {phase!r}")
+
+    def participants(self, phase: str) -> list[str]:
+        """Who gets `phase`'s message: everyone for the first phase; for the outer phase, the clients whose
+        inner reply was accepted (the others have no place in this round's y_{q+1})."""
+        return self.ids if phase == self.phases[0] else list(self.stats.get(f"{self.phases[0]}_clients", []))
+
+    def evaluate(self) -> dict:
+        return self.task.evaluate(self.state.x, self.state.y)
+
+
+def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMapping[str, dict]
+                 ) -> tuple[bytes, dict]:
+    """Client `cid`'s reply to the server's `phase` message (see the module docstring)."""
+    cfg = exp.rabo
+    try:
+        ci = client_index(cid, len(task.clients()))
+    except ValueError as exc:
+        raise PayloadError(f"this run has no client {cid!r}: {exc}") from exc
+    i = cid
+    x0, y0 = _reference(task)  # shapes, dtypes and device the client expects (its copy of the architecture)
+    comps, meta = decode(msg)
+    q = meta.get("round")
+    if meta.get("client") != i or meta.get("phase") != phase or not isinstance(q, int):
+        raise PayloadError(f"{i}: message is for client {meta.get('client')} phase {meta.get('phase')!r}")
+    t0 = time.perf_counter()
+    if phase == "inner":
+        x, mx = sm.unpack(comps["x"], x0, "x")
+        y, my = sm.unpack(comps["y"], y0, "y")
+        m = rb.ClientMasks(mx, my, task.clients()[ci])
+        g = _Counter(task.g)
+        G, info = rb.inner_update(cfg, rb.BilevelState(q, x, y), m, g, task.batches(ci, q, cfg.inner_steps))
+        scratch.clear()
+        scratch.update({"round": {"q": torch.tensor(q)}, "x": x, "mx": mx, "my": my})
+        up, calls = encode({"G": sm.gather(G, my)}, {"round": q, "client": i, "phase": phase})[0], g.calls
+    elif phase == "outer":
+        if "round" not in scratch or int(scratch["round"]["q"]) != q:
+            raise PayloadError(f"{i}: outer message of round {q} without this round's inner phase")
+        y, my = sm.unpack(comps["y"], y0, "y")
+        m = rb.ClientMasks(scratch["mx"], my, task.clients()[ci])
+        f, g = _Counter(task.f), _Counter(task.g)
+        h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(ci, q))
+        up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
+    elif phase == "local" and exp.method in FULL:
+        import importlib
+
+        from ciders.core.wire import check
+
+        if set(comps) != {"x", "y"}:
+            raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
+        check(comps["x"], x0, "x")
+        check(comps["y"], y0, "y")
+        algo = importlib.import_module(FULL[exp.method][0])
+        xn, yn, info = algo.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
+                                         {k: comps["y"][k].to(v.device) for k, v in y0.items()}, ci, q)
+        up = encode({"x": xn, "y": yn}, {"round": q, "client": i, "phase": phase})[0]
+        calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[ci])
+    else:
+        raise PayloadError(f"{i}: phase {phase!r} is not a phase of {exp.method}")
+    kept = kept_fraction(m)
+    rec = {"event": "client", "round": q, "client": i, "phase": phase, "capacity": m.capacity, "calls": calls,
+           "kept_fraction": kept, "op_estimate": calls * kept, "bytes_down": len(msg), "bytes_up": len(up),
+           "seconds": time.perf_counter() - t0, **info}
+    return up, rec

@@ -1,0 +1,165 @@
+"""The round loop, one for every method family and every engine (`run_rounds`), and `run_federation`, the
+CIDERS run behind `ciders run CONFIG` (in-process by default; the Flower ServerApp passes its own
+transport).
+
+One CIDERS round, top to bottom (Algorithm 2, docs/method.md):
+  sample clients -> broadcast (encoded; bytes counted) -> the transport -> client_update for each (decoded
+  on the client side; its durable state written to the client's store) -> uploads -> server_update
+  (Eq. 11-12) -> task.after_server (TAKD, Eq. 13) -> [report: personalized messengers] -> evaluate -> log
+  -> checkpoint + commit.
+
+Crash safety: everything a round writes is tagged with its round; the round is committed by one atomic
+write of checkpoints/LATEST. `--resume` deletes what a crashed round left behind, truncates
+metrics.jsonl to the committed rounds, and redoes the round. Every random choice is derived from
+(seed, round, client), so the redone round produces the same numbers as an uninterrupted run.
+metrics.jsonl holds only reproducible numbers; wall-clock times go to timing.jsonl.
+
+A *task* supplies the model-specific parts (an LLM decomposition, or synthetic vectors in tests):
+  clients() -> {client_id: n_examples};  initial_messenger() -> State
+  initial_extra() -> (extra tensors, extra meta, metrics)     e.g. TAKD pre-alignment of B_L
+  extra_from_record(tensors, meta)                            restore it from a checkpoint
+  downlink_extra(extra) -> {component: State}                 e.g. the student LoRA, broadcast each round
+  static_extra() -> set of those components that never change after initial_extra (sent at first contact
+                    only; optional, default none: e.g. the student LoRA when takd.round_steps = 0)
+  begin_round(t, extra)                                       e.g. load the student LoRA
+  loss_fn(client_id) -> LossFn;  batches(client_id, t, n, seed) -> list of n batches
+  after_server(t, server_state, extra) -> (extra', metrics)   e.g. TAKD warm-started steps
+  evaluate(t, server_state, personalized: {id: State}) -> metrics
+  finalize(out_dir, server_state, extra)                      e.g. write the final adapters
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from ciders import algorithms
+from ciders.algorithms import ciders as alg
+from ciders.config import ExperimentConfig
+from ciders.core.store import RoundStore
+from ciders.errors import CidersError
+from ciders.federation.exchange import Exchange, Reply
+from ciders.federation.inprocess import Faults, InProcess, SimulatedCrash
+from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clients, summarize
+
+
+# the run directory lives in federation.rundir; these names stay importable from here
+__all__ = ["MIB", "Faults", "RunDir", "RoundServer", "SimulatedCrash", "Task", "check_same_config",
+           "load_personalized", "run_federation", "run_rounds", "sample_clients", "summarize"]
+
+class Task(Protocol):  # see the module docstring
+    def clients(self) -> dict[str, int]: ...
+    def initial_messenger(self) -> dict: ...
+    def initial_extra(self) -> tuple[dict, dict, dict]: ...
+    def extra_from_record(self, tensors: dict, meta: dict) -> Any: ...
+    def extra_record(self, extra: Any) -> tuple[dict, dict]: ...
+    def downlink_extra(self, extra: Any) -> dict: ...
+    def begin_round(self, t: int, downlink_extra: dict) -> None: ...
+    def loss_fn(self, client_id: str) -> Callable: ...
+    def batches(self, client_id: str, t: int, n: int, seed: int) -> list: ...
+    def after_server(self, t: int, server: alg.ServerState, extra: Any) -> tuple[Any, dict]: ...
+    def evaluate(self, t: int, server: alg.ServerState, personalized: dict) -> dict: ...
+    def finalize(self, out: Path, server: alg.ServerState, extra: Any) -> None: ...
+
+
+class RoundServer(Protocol):
+    """The server side of a method family, driven by `run_rounds` (CIDERS: `federation.rounds.Coordinator`;
+    RABO family: `federation.bilevel_loop.BilevelRounds`)."""
+
+    first_round: int
+
+    def begin(self, t: int) -> Any: ...
+    def phases(self, t: int) -> tuple[str, ...]: ...
+    def messages(self, phase: str, t: int) -> dict[str, bytes]: ...
+    def absorb(self, phase: str, t: int, replies: list[Reply], mark: Callable[[str], None]) -> None: ...
+    def commit(self, t: int, before_checkpoint: Callable[[], None] | None = None) -> None: ...
+    def close(self) -> dict: ...
+
+
+def run_rounds(server: RoundServer, exchange: Exchange, rounds: int, faults: Faults | None = None,
+               progress: Callable[[int, str], None] | None = None) -> dict:
+    """The round loop of every method on every engine, top to bottom:
+
+        for each round t not yet committed:
+            begin(t)                                   sampling, masks
+            for each phase of the round:
+                replies = exchange(phase, t, messages)  the transport moves the bytes
+                absorb(phase, t, replies)              check, aggregate, server steps
+            commit(t)                                  evaluate, log, checkpoint, commit
+
+    `faults` names crash points for the tests (client:<k> inside the in-process transport, the server's
+    own points, checkpoint, commit)."""
+    faults = faults or Faults()
+    for t in range(server.first_round, rounds):
+        server.begin(t)
+        for phase in server.phases(t):
+            if progress is not None:
+                progress(t, phase)
+            replies = exchange(phase, t, server.messages(phase, t))
+            server.absorb(phase, t, replies, mark=lambda point: faults.maybe_crash(t, point))
+        server.commit(t, before_checkpoint=lambda: faults.maybe_crash(t, "checkpoint"))
+        faults.maybe_crash(t, "commit")
+    return server.close()
+
+
+def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: bool = False,
+                   faults: Faults | None = None, log: Callable[[str], None] = print, progress: bool = True,
+                   exchange: Exchange | None = None) -> dict:
+    """Run (or resume) the federation of `cfg.algorithm.name` (CIDERS or a baseline; `ciders.algorithms`):
+    the Coordinator's rounds (`federation.rounds`) over `exchange`, by default every client called in this
+    process (`federation.inprocess`)."""
+    from ciders.federation.rounds import Coordinator, client_report, client_round
+
+    co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
+    cfg, fed = co.cfg, co.cfg.federation
+    faults = faults or Faults()
+    per_round = fed.per_round or len(co.ids)
+    bar = tqdm(total=(fed.rounds - co.first_round) * per_round, desc=algorithms.method_name(cfg), unit="client",
+               disable=not progress)
+    if exchange is None:
+        def client(phase: str, cid: str, msg: bytes) -> tuple[bytes, dict]:
+            if phase == "report":
+                return client_report(co.clients_store, cid), {}
+            # the in-process client's references: the server's own tensors
+            return client_round(cfg, task, co.clients_store, cid, co.sizes[cid], msg, dict(co.down_extra))
+
+        def on_reply(cid: str, rec: dict) -> None:
+            if rec:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}" if "loss" in rec else "resync")
+
+        exchange = InProcess(client, faults, corrupt=lambda up: _nan_upload(up, co.ref), on_reply=on_reply)
+
+    def step(t: int, phase: str) -> None:
+        bar.set_description(f"round {t + 1}/{fed.rounds} " + ("evaluating" if phase == "report" else phase))
+
+    summary = run_rounds(co, exchange, fed.rounds, faults, progress=step)
+    bar.close()
+    return summary
+
+
+def _nan_upload(upmsg: bytes, ref: dict) -> bytes:
+    """Faults.corrupt for CIDERS: the same upload with a NaN increment (the finite check must reject it)."""
+    up = alg.decode_upload(upmsg, ref)
+    return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version, up.n_examples,
+                                        {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))[0]
+
+
+def load_personalized(run: str | Path, client: str, d) -> dict:
+    """A client's personalized messenger (x_K of its last participation) from a run's client store."""
+    from ciders.models.adapters import check_state
+
+    run = Path(run)
+    committed = RunDir(run).committed()
+    store = run / "clients"
+    rec = RoundStore(store, committed if committed is not None else -1).get(client) if store.is_dir() else None
+    st = alg.client_from_record(*rec) if rec else None
+    if st is None or st.personalized is None:
+        where = " (a Flower run keeps client state on the nodes: evaluate there, or export it from the node's state-dir)" \
+            if not store.is_dir() else " (never trained in this run)"
+        raise CidersError(f"{run}: client {client!r} has no personalized messenger{where}")
+    check_state(d.messenger_params(), st.personalized, f"client {client}")
+    return {k: v.to(d.device) for k, v in st.personalized.items()}

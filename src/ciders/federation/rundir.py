@@ -1,0 +1,138 @@
+"""The run directory: the interface between `ciders run`, `eval`, `compare` and `report`, shared by the
+in-process and the Flower engines (`federation.rounds`). Checkpoints commit a round by one atomic pointer
+write (checkpoints/LATEST); metrics.jsonl holds the reproducible numbers, timing.jsonl the wall clock."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
+from ciders.errors import CidersError
+from ciders.fileio import atomic_dir, read_jsonl, write_json, write_text
+from ciders.runtime import derived_seed
+
+MIB = 2**20
+
+
+def sample_clients(ids: list[str], m: int | None, seed: int, t: int) -> list[str]:
+    if m is None or m >= len(ids):
+        return list(ids)
+    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(derived_seed(seed, t, 101)))
+    return [ids[i] for i in sorted(perm[:m].tolist())]
+
+
+class RunDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.ckpt = self.root / "checkpoints"
+        self.metrics = self.root / "metrics.jsonl"
+        self.timing = self.root / "timing.jsonl"
+
+    def committed(self) -> int | None:
+        p = self.ckpt / "LATEST"
+        if not p.is_file():
+            return None
+        try:
+            return int(json.loads(p.read_text())["round"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CidersError(f"{p} is unreadable ({exc}); the run directory is damaged") from exc
+
+    def save_checkpoint(self, t: int, tensors: dict, meta: dict, keep: int) -> None:
+        from safetensors.torch import save_file
+
+        with atomic_dir(self.ckpt / f"round_{t + 1:06d}") as tmp:  # round -1 (pre-alignment) -> round_000000
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / "state.safetensors"))
+            (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+        write_json(self.ckpt / "LATEST", {"round": t})  # the commit point
+        for old in sorted(self.ckpt.glob("round_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, t: int) -> tuple[dict, dict]:
+        from safetensors.torch import load_file
+
+        d = self.ckpt / f"round_{t + 1:06d}"
+        if not d.is_dir():
+            raise CidersError(f"checkpoint for round {t} missing in {self.ckpt}; the run directory is damaged")
+        tensors = {k: v.clone() for k, v in load_file(str(d / "state.safetensors")).items()}  # aligned (core.wire)
+        return tensors, json.loads((d / "state.json").read_text())
+
+    def truncate_metrics(self, committed: int) -> None:
+        for path in (self.metrics, self.timing):
+            if path.exists():
+                keep = [r for r in read_jsonl(path) if r.get("round", -1) <= committed]
+                write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def start_run(run: RunDir, cfg, resume: bool, log=print) -> int | None:
+    """The one rule for run directories, for every method family: a directory that holds a committed run
+    is continued only with `resume`, and only with the same config (else an error says what differs);
+    otherwise the run starts afresh (its config.yaml written, earlier metrics removed). Returns the last
+    committed round, or None for a fresh run."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    committed = run.committed()
+    if committed is not None and not resume:
+        raise CidersError(f"{run.root} already holds a run (round {committed} committed); pass --resume to "
+                          "continue it or choose another --out")
+    if committed is not None:
+        check_same_config(run, cfg)
+        run.truncate_metrics(committed)  # records of the round the checkpoint does not hold
+        return committed
+    for p in (run.metrics, run.timing):
+        p.unlink(missing_ok=True)
+    write_text(run.root / "config.yaml", dump_yaml(cfg))
+    return None
+
+
+def check_same_config(run: RunDir, cfg) -> None:
+    path = run.root / "config.yaml"
+    if not path.is_file():
+        raise CidersError(f"--resume: {path} is missing; the run directory is damaged")
+    saved = load_config(path, cls=type(cfg))
+    a, b = to_dict(saved), to_dict(cfg)
+
+    def diff(x, y, path=""):
+        if isinstance(x, dict):
+            for k in x:
+                r = diff(x[k], y.get(k), f"{path}.{k}" if path else k)
+                if r:
+                    return r
+            return None
+        return path if x != y else None
+
+    key = diff(a, b)
+    if key:
+        raise CidersError(f"--resume: the config differs from the run's config.yaml at '{key}'; resume with the same config")
+
+
+def summarize(run: RunDir, cfg: ExperimentConfig, once: set[str] | frozenset = frozenset()) -> dict:
+    """Totals and per-client-round MiB by component. Components a client downloads only at first contact
+    (`once`: e.g. the emulator's base weights) are reported per client, not averaged into the rounds."""
+    rows = read_jsonl(run.metrics)
+    rounds = [r for r in rows if r["event"] == "round"]
+    evals = [r for r in rows if r["event"] == "eval"]
+    down = sum(sum(r["bytes_down"].values()) for r in rounds)
+    up = sum(sum(r["bytes_up"].values()) for r in rounds)
+    n_cr = sum(len(r["clients"]) for r in rounds)
+    by_comp: dict[str, dict[str, float]] = {"down": {}, "up": {}}
+    first: dict[str, float] = {}
+    for r in rounds:
+        for d, key in (("down", "bytes_down"), ("up", "bytes_up")):
+            for k, v in r[key].items():
+                acc = first if d == "down" and k in once else by_comp[d]
+                acc[k] = acc.get(k, 0) + v / MIB
+    n_clients = max(len({c for r in rounds for c in r["clients"]}), 1)
+    down -= sum(first.values()) * MIB  # per client-round: the recurring traffic only
+    return {
+        "rounds": len(rounds), "client_rounds": n_cr,
+        "loss_first_round": rounds[0]["loss"] if rounds else None, "loss_last_round": rounds[-1]["loss"] if rounds else None,
+        "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if len(evals) > 1 else None,
+        "mib": {"down_total": down / MIB + sum(first.values()), "up_total": up / MIB,
+                "down_per_client_round": down / MIB / max(n_cr, 1), "up_per_client_round": up / MIB / max(n_cr, 1),
+                "by_component": by_comp,
+                "first_contact": {k: v / n_clients for k, v in first.items()},  # MiB per client, sent once
+                "first_contact_total": first},
+    }

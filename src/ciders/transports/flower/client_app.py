@@ -1,0 +1,165 @@
+"""The ClientApp: one edge client per SuperNode, running `federation.rounds.client_round`.
+
+Identity: the stable client id is `client<partition-id>` from the node config (Flower's node ids change
+per run and per restart). The client reports it in every reply; the server keys all its state by it.
+
+State: durable state lives in the node's state directory (`node_config["state-dir"]`, or the directory
+the simulation assigns): the client's RoundStore record (c_i, version, pending increment, personalized
+messenger) and the static components it received once (e.g. a fixed B_L). It survives ClientApp and
+SuperNode restarts. Every server message says which round is the last committed one; the client first
+drops records of later rounds (an attempt the server did not commit, e.g. before a ServerApp restart),
+so client and server agree on what happened. `context.state` keeps the id and config digest the node
+first ran with, so a node whose partition or experiment changed mid-run fails loudly instead of mixing
+state.
+
+Messages (message_type: fields):
+  query    kind "hello"                -> {client_id}                          (no torch import)
+  train    family ciders, phase train  broadcast bytes -> upload bytes + metrics record  (Eq. 4-10)
+  evaluate family ciders, phase report -> the personalized messenger x_K as wire bytes (for the evaluation)
+  train    family bilevel, phase inner|outer|local -> a RABO-family phase reply (`transports.flower.bilevel`)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Message
+from flwr.clientapp import ClientApp
+
+from ciders.transports.flower import messages as fm
+
+_TASKS: dict[tuple[str, str], object] = {}  # a cache (rebuilt on demand), not state: Ray reuses processes
+
+
+def client_id_of(context: Context) -> str:
+    pid = context.node_config.get("partition-id")
+    if pid is None:
+        raise ValueError("this SuperNode has no partition-id in its node config; start it with "
+                         "--node-config 'partition-id=<i> num-partitions=<N> state-dir=\"<dir>\"'")
+    return f"client{int(pid)}"
+
+
+def state_dir_of(context: Context, spec: dict, cid: str) -> Path:
+    d = context.node_config.get("state-dir") or spec.get("clients_root")
+    if not d:
+        raise ValueError("no state directory: set state-dir in the SuperNode's --node-config")
+    d = Path(str(d))
+    return d / cid if "state-dir" not in context.node_config else d
+
+
+def _check_identity(context: Context, cid: str, digest: str) -> None:
+    rec = context.state.config_records.get("ciders")
+    if rec is None:
+        context.state["ciders"] = ConfigRecord({"client_id": cid, "config_sha": digest})
+        return
+    if rec["client_id"] != cid:
+        raise ValueError(f"this node served {rec['client_id']} earlier in the run and now claims {cid}")
+    if digest and rec["config_sha"] and rec["config_sha"] != digest:
+        raise ValueError(f"{cid}: the experiment config changed within the run")
+    if digest and not rec["config_sha"]:
+        rec["config_sha"] = digest
+
+
+def _task(cfg_text: str, state: Path):
+    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), str(state))
+    if key not in _TASKS:
+        from ciders.algorithms import configure
+        from ciders.config import loads_config
+        from ciders.workloads.llm import LLMTask
+
+        cfg = configure(loads_config(cfg_text, "the config the server sent"))  # the method's effective knobs
+        _TASKS.clear()  # one experiment per process at a time
+        _TASKS[key] = (cfg, LLMTask(cfg, state, log=lambda s: None, role="client"))
+    return _TASKS[key]
+
+
+def _store(state: Path, committed: int, keep_current: bool):
+    """The client's record store, with records of rounds the server did not commit removed (train) or
+    kept up to the current round (report, which comes before the server commits it)."""
+    from ciders.core.store import RoundStore
+
+    if keep_current:
+        return RoundStore(state / "store", committed, cache_size=2)
+    store = RoundStore(state / "store", -1, cache_size=2)
+    store.recover(committed)
+    store.commit(committed)
+    return store
+
+
+def _fault(cid: str, kind: str, t: int, state: Path) -> None:
+    """Test hook: CIDERS_FLOWER_FAULT="<client>:<round>:sleep:<seconds>" delays this reply (a late or
+    killed client in the deployment tests). Never set in normal use."""
+    spec = os.environ.get("CIDERS_FLOWER_FAULT", "")
+    for item in filter(None, spec.split(",")):
+        c, r, what, arg = item.split(":")
+        if c == cid and int(r) == t and kind == "train" and what == "sleep":
+            (state / f"FAULT_SLEEPING_r{t}").write_text(str(os.getpid()))
+            time.sleep(float(arg))
+
+
+def make_client_app(spec: dict | None = None) -> ClientApp:
+    """A ClientApp. `spec` (simulation) may give `clients_root`, where each client gets a directory."""
+    spec = dict(spec or {})
+    app = ClientApp()
+
+    def handle(msg: Message, context: Context, kind: str) -> Message:
+        cid = client_id_of(context)
+        f = fm.fields_of(msg.content)
+        if kind == "hello":
+            if f.get("kind") != "hello":
+                raise ValueError(f"{cid}: expected a hello query, got {f.get('kind')!r}")
+            _check_identity(context, cid, "")
+            return Message(fm.pack({"client_id": cid}), reply_to=msg)
+        family, phase = f.get("family"), f.get("phase")
+        if (kind == "report") != (phase == "report") or family not in ("ciders", "bilevel"):
+            raise ValueError(f"{cid}: unexpected {kind} message (family {family!r}, phase {phase!r})")
+        digest = hashlib.sha256(str(f["config"]).encode()).hexdigest()
+        _check_identity(context, cid, digest)
+        state = state_dir_of(context, spec, cid)
+        state.mkdir(parents=True, exist_ok=True)
+        if family == "bilevel":
+            from ciders.transports.flower import bilevel
+
+            return bilevel.handle(msg, cid, state)
+        cfg, task = _task(str(f["config"]), state)
+        t, committed = int(f["round"]), int(f["committed"])
+        if phase == "train":
+            from ciders.federation.rounds import StaticHolder, client_round
+
+            sizes = task.clients()
+            if cid not in sizes:
+                raise ValueError(f"this node hosts {cid}, but the run has clients {', '.join(sorted(sizes))}; "
+                                 "check its partition-id")
+            store = _store(state, committed, keep_current=False)
+            up, rec = client_round(cfg, task, store, cid, sizes[cid], fm.payload_of(msg.content),
+                                   task.downlink_reference(), held=StaticHolder(state / "static"))
+            _fault(cid, kind, t, state)
+            return Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=msg)
+        if phase != "report":
+            raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")
+        # report: the personalized messenger of this round (not yet committed by the server)
+        from ciders.federation.rounds import client_report
+
+        return Message(fm.pack({"client_id": cid}, client_report(_store(state, committed, keep_current=True), cid)),
+                       reply_to=msg)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return handle(msg, context, "hello")
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return handle(msg, context, "train")
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return handle(msg, context, "report")
+
+    return app
+
+
+app = make_client_app()  # for `flwr run` (pyproject: ciders.transports.flower.client_app:app)

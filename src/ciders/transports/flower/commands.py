@@ -1,0 +1,110 @@
+"""`ciders flower ...`: the deployment path, one command per role (see docs/flower.md).
+
+  credentials WORK --clients N [--host H]   CA, SuperLink certificate (SAN: the hosts), one key per SuperNode
+  superlink WORK [--bind ADDR] [--port P]   a SuperLink with TLS + SuperNode auth; registers WORK/keys/*.pub
+  supernode WORK --partition I --clients N --superlink HOST:PORT --state-dir DIR
+  launch CONFIG --out OUT --work WORK [--superlink HOST:PORT] [--resume] [--set K=V]   flwr run, wait, status
+  loopback CONFIG --out OUT --clients N --work WORK    all of the above on 127.0.0.1, then everything stopped
+The long-running roles stay in the foreground until Ctrl-C, then stop their processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+
+from ciders.errors import CidersError
+
+
+def _address(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit():
+        raise CidersError(f"--superlink must be HOST:PORT, got {s!r}")
+    return host, int(port)
+
+
+def _foreground(dep, what: str) -> int:
+    print(f"{what}; Ctrl-C stops it (logs in {dep.logs})", flush=True)
+    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while all(p.poll() is None for p in dep.procs.values()):
+            time.sleep(1)
+        bad = {n: p.returncode for n, p in dep.procs.items() if p.poll() is not None}
+        raise CidersError(f"{', '.join(f'{n} exited ({rc})' for n, rc in bad.items())}; see {dep.logs}")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        dep.stop()
+
+
+def _cmd(a: argparse.Namespace) -> int:
+    from ciders.transports.flower.deploy import Deployment, loopback, make_credentials
+
+    work = Path(a.work)
+    secure = not getattr(a, "insecure", False)
+    if a.role == "credentials":
+        make_credentials(work, a.clients, tuple(a.host or ["127.0.0.1", "localhost"]))
+        print(f"CA and SuperLink certificate in {work / 'certs'}, SuperNode keys in {work / 'keys'}")
+        return 0
+    if a.role == "loopback":
+        status = loopback(Path(a.config), Path(a.out), a.clients, work, a.set or [], secure=secure, port=a.port)
+        return 0 if status == "finished:completed" else 2
+    host, port = _address(a.superlink) if getattr(a, "superlink", None) else ("127.0.0.1", getattr(a, "port", 8000))
+    dep = Deployment(work, port=port, host=host, secure=secure)
+    if a.role == "superlink":
+        dep.start_superlink(bind=a.bind)
+        keys = sorted((work / "keys").glob("supernode*.pub")) if secure else []
+        for k in keys:
+            dep.register(int(k.stem[len("supernode"):]))
+        return _foreground(dep, f"SuperLink on {a.bind}:{port}, {len(keys)} SuperNode keys registered")
+    if a.role == "supernode":
+        dep.start_supernode(a.partition, a.clients, Path(a.state_dir), port=a.node_port)
+        return _foreground(dep, f"SuperNode client{a.partition} -> {host}:{port}")
+    run_id = dep.launch(Path(a.config), Path(a.out), a.set or [], resume=a.resume)
+    print(f"run {run_id} started; the ServerApp writes {a.out}", flush=True)
+    status = dep.wait_run(run_id, timeout=a.timeout)
+    print(f"run {run_id}: {status}")
+    if status != "finished:completed":
+        print(dep.run_log(run_id)[-4000:])
+        return 2
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("flower", help="deploy on Flower: credentials, SuperLink, SuperNodes, launch (docs/flower.md)")
+    roles = p.add_subparsers(dest="role", required=True)
+    r = roles.add_parser("credentials", help="CA, SuperLink certificate and one auth key per SuperNode")
+    r.add_argument("work", help="deployment directory (certs/, keys/)")
+    r.add_argument("--clients", type=int, required=True, help="number of SuperNodes (one per client)")
+    r.add_argument("--host", action="append", help="SuperLink host name or IP for the certificate (repeatable)")
+    r = roles.add_parser("superlink", help="run a SuperLink (TLS + SuperNode auth) in the foreground")
+    r.add_argument("work")
+    r.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0 for other hosts)")
+    r.add_argument("--port", type=int, default=8000, help="the one port for Fleet, Control and Runtime APIs")
+    r.add_argument("--insecure", action="store_true", help="no TLS, no node auth (a trusted test network only)")
+    r = roles.add_parser("supernode", help="run the SuperNode of one client in the foreground")
+    r.add_argument("work")
+    r.add_argument("--partition", type=int, required=True, help="the client's partition id i (client<i>)")
+    r.add_argument("--clients", type=int, required=True, help="number of clients N")
+    r.add_argument("--superlink", default="127.0.0.1:8000", help="HOST:PORT of the SuperLink")
+    r.add_argument("--state-dir", required=True, help="the client's durable state (survives restarts)")
+    r.add_argument("--node-port", type=int, default=9094, help="local port for this node's ClientApps")
+    r.add_argument("--insecure", action="store_true")
+    for name, help_ in (("launch", "start a run on a running SuperLink and wait for it"),
+                        ("loopback", "the whole deployment on 127.0.0.1: start, run, stop")):
+        r = roles.add_parser(name, help=help_)
+        r.add_argument("config", help="experiment YAML (read by the ServerApp)")
+        r.add_argument("--out", required=True, help="run directory (written by the ServerApp)")
+        r.add_argument("--work", required=True, help="deployment directory")
+        r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+        r.add_argument("--insecure", action="store_true")
+        if name == "launch":
+            r.add_argument("--superlink", default="127.0.0.1:8000", help="HOST:PORT of the SuperLink")
+            r.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+            r.add_argument("--timeout", type=float, default=24 * 3600, help="seconds to wait for the run")
+        else:
+            r.add_argument("--clients", type=int, required=True, help="number of SuperNodes")
+            r.add_argument("--port", type=int, default=8000)
+    p.set_defaults(fn=_cmd)

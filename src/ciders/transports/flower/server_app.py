@@ -1,0 +1,107 @@
+"""The ServerApp, and `run_simulation` behind `ciders run CONFIG --engine flower-sim`.
+
+The ServerApp runs the experiment's own round loop (`federation.loop.run_rounds`, through `run_federation`
+or `run_bilevel`) with a `FlowerExchange` as its transport: ciders owns the loop, Flower moves the
+messages. The run directory is the same as the in-process engine's (metrics.jsonl, checkpoints, eval/,
+adapters/), minus `clients/`: on Flower, client state lives on the clients.
+
+Under `flwr run` the run config (`--run-config`) names the experiment:
+  config = "/abs/path/experiment.yaml"   set = "federation.rounds=2;seed=1"   out = "/abs/run/dir"
+  resume = false   (true: continue from the run directory's last committed checkpoint)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+
+def _spec_from_run_config(rc: dict) -> dict:
+    from ciders.config import ExperimentConfig, dump_yaml, load_config
+    from ciders.config_bilevel import BilevelExperiment, is_bilevel
+    from ciders.errors import ConfigError
+
+    if not rc.get("config") or not rc.get("out"):
+        raise ConfigError("the ServerApp needs run config keys config=<experiment.yaml> and out=<run dir> "
+                          "(flwr run ... --run-config 'config=\"...\" out=\"...\"')")
+    overrides = [s for s in str(rc.get("set", "")).split(";") if s.strip()]
+    path = Path(str(rc["config"]))
+    bilevel = is_bilevel(path)
+    cfg = load_config(path, overrides, cls=BilevelExperiment if bilevel else ExperimentConfig)
+    if bilevel:
+        from ciders.federation.bilevel_rounds import method_config
+
+        cfg = method_config(cfg, cfg.method)
+    return {"config_text": dump_yaml(cfg), "out": str(rc["out"]), "resume": bool(rc.get("resume", False))}
+
+
+def serve(grid: Grid, spec: dict, log=print) -> dict:
+    """One whole run on `grid` (simulation or deployment): the run's own round loop with a FlowerExchange
+    as its transport. Returns the run summary."""
+    from ciders import algorithms
+    from ciders.config import dump_yaml, loads_config
+    from ciders.config_bilevel import is_bilevel
+    from ciders.federation.exchange import client_id
+    from ciders.transports.flower.exchange import FlowerExchange
+
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    resume = bool(spec.get("resume", False))
+    if is_bilevel(spec["config_text"]):
+        from ciders.config_bilevel import BilevelExperiment
+        from ciders.federation.bilevel_loop import run_bilevel
+        from ciders.workloads.bilevel import build
+
+        exp = loads_config(spec["config_text"], "the bilevel experiment", cls=BilevelExperiment)
+        ids = [client_id(i) for i in range(exp.federation.clients)]
+        ex = FlowerExchange(grid, spec["config_text"], ids, exp.flower, "bilevel", log)
+        return run_bilevel(exp, build(exp), out, log=log, resume=resume, exchange=ex)
+    from ciders.federation.loop import run_federation
+    from ciders.workloads.llm import LLMTask
+
+    cfg = loads_config(spec["config_text"])
+    task = LLMTask(cfg, out, log=log)
+    # the clients get the effective config (a baseline's knobs set)
+    ex = FlowerExchange(grid, dump_yaml(algorithms.configure(cfg)), sorted(task.clients()), cfg.flower, "ciders", log)
+    return run_federation(cfg, task, out, resume=resume, log=log, progress=False, exchange=ex)
+
+
+def make_server_app(spec: dict | None = None) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        serve(grid, spec if spec is not None else _spec_from_run_config(dict(context.run_config)))
+
+    return app
+
+
+app = make_server_app()  # for `flwr run` (pyproject: ciders.transports.flower.server_app:app)
+
+
+def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dict:
+    """The run on Flower's simulation runtime (Ray), one virtual SuperNode per client; `cfg` is a CIDERS
+    experiment or a bilevel one (`serve` tells them apart)."""
+    import json
+
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    from ciders.config import dump_yaml
+    from ciders.transports.flower.client_app import make_client_app
+    from ciders.errors import CidersError
+
+    out = Path(out)
+    summary_path = out / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    spec = {"config_text": dump_yaml(cfg), "out": str(out.resolve()), "resume": resume,
+            "clients_root": str((out / "flower-clients").resolve())}
+    fc = cfg.flower
+    backend = {"client_resources": {"num_cpus": fc.client_cpus, "num_gpus": fc.client_gpus}}
+    flwr_run_simulation(make_server_app(spec), make_client_app(spec), num_supernodes=cfg.federation.clients,
+                        backend_config=backend)
+    if not summary_path.is_file():
+        raise CidersError(f"the Flower simulation ended without finishing the run (no {summary_path}); "
+                          "see the log above; the same command with --resume continues it")
+    return json.loads(summary_path.read_text())

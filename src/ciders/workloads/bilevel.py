@@ -1,0 +1,242 @@
+"""Bilevel tasks for `federation.bilevel_loop` (SPEC 2): few-shot hyper-representation on Omniglot and loss tuning
+on long-tailed CIFAR-10; `build(cfg)` makes one from a BilevelExperiment config."""
+
+from __future__ import annotations
+
+import torch
+
+from ciders.core.hypergrad import grads
+
+
+def resnet12_widths(w: int) -> tuple[int, int, int, int]:
+    """ResNet12 block widths from task.width w: (w, round(2.5 w), 5 w, 10 w); 64 -> (64, 160, 320, 640)."""
+    return (w, max(1, round(2.5 * w)), 5 * w, 10 * w)
+
+
+def _to(st: dict, device: torch.device) -> dict:
+    return {k: v.to(device) for k, v in st.items()}
+
+
+def _episode_to(ep, device: torch.device):
+    from dataclasses import fields, replace
+
+    return replace(ep, **{f.name: getattr(ep, f.name).to(device) for f in fields(ep)}) if device.type != "cpu" else ep
+
+
+class FewShotTask:
+    """Few-shot hyper-representation (SPEC 2, task 1): x = the backbone's features (`backbone`: conv4 of
+    `width` channels, or resnet12 of widths (w, round(2.5 w), 5 w, 10 w), the paper's (64, 160, 320, 640)
+    at width 64), y = a linear head; the inner loss is support cross-entropy + (reg / 2)|y|^2 (strongly
+    convex in y), the outer one query cross-entropy. Clients hold shards of characters (disjoint, or
+    `shard_size` drawn each, overlapping);
+    evaluation fits a fresh head on each held-out episode's support (`eval_steps` gradient steps) and
+    reports query accuracy with a 95% CI."""
+
+    def __init__(self, pool: dict, capacities: list[float], n_way: int = 5, k_shot: int = 1, q_query: int = 5,
+                 width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
+                 eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4",
+                 shard_size: int = 0, device: torch.device | str = "cpu", official_runs: list | None = None):
+        from ciders.tasks import omniglot as om
+
+        self.device = torch.device(device)
+        self.official_runs = official_runs or []
+
+        self.om, self.pool, self.caps = om, pool, capacities
+        self.shards = om.shard(sorted(pool), len(capacities), seed, shard_size)
+        if min(len(sh) for sh in self.shards) < n_way:
+            from ciders.errors import ConfigError
+
+            raise ConfigError(f"a client's shard has {min(len(sh) for sh in self.shards)} characters, fewer than "
+                              f"task.n_way = {n_way} ({len(pool)} characters over {len(capacities)} clients); set "
+                              f"task.shard_size >= {n_way} (overlapping shards) or use fewer clients")
+        self.n_way, self.k_shot, self.q_query, self.width, self.reg, self.seed = n_way, k_shot, q_query, width, reg, seed
+        self.eval_pool = eval_pool or pool
+        self.eval_episodes, self.eval_steps, self.eval_lr = eval_episodes, eval_steps, eval_lr
+        self._episodes: dict = {}
+        self._round = -1
+        if backbone not in ("conv4", "resnet12"):
+            raise ValueError(f"backbone must be conv4 or resnet12, got {backbone!r}")
+        self.backbone = backbone
+        self.widths = (width,) * 4 if backbone == "conv4" else resnet12_widths(width)
+
+    def clients(self) -> list[float]:
+        return list(self.caps)
+
+    def initial(self):
+        from ciders.models import vision as vz
+
+        if self.backbone == "resnet12":
+            x = vz.resnet12_init(widths=self.widths, seed=self.seed)
+        else:
+            x = vz.conv4_init(width=self.width, seed=self.seed)
+        return _to(x, self.device), _to(vz.linear_init(self.n_way, self.widths[-1]), self.device)
+
+    def groups(self) -> dict:
+        from ciders.models import vision as vz
+
+        return vz.resnet12_groups() if self.backbone == "resnet12" else vz.conv4_groups()
+
+    def features(self, x, images):
+        from ciders.models import vision as vz
+
+        return (vz.resnet12_features if self.backbone == "resnet12" else vz.conv4_features)(x, images)
+
+    def _episode(self, i: int, q: int):
+        """Client i's episode of round q (its support is the inner data, its query the outer data)."""
+        if self._round != q:
+            self._episodes, self._round = {}, q
+        if i not in self._episodes:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + q * 1009 + i)
+            ep = self.om.episode(self.pool, self.shards[i], self.n_way, self.k_shot, self.q_query, gen)
+            self._episodes[i] = _episode_to(ep, self.device)
+        return self._episodes[i]
+
+    def batches(self, i: int, q: int, n: int) -> list:
+        return [self._episode(i, q)] * n
+
+    def outer_batch(self, i: int, q: int):
+        return self._episode(i, q)
+
+    def g(self, x, y, ep):
+        import torch.nn.functional as F
+
+        from ciders.models import vision as vz
+
+        return F.cross_entropy(vz.linear(y, self.features(x, ep.support)), ep.support_labels) + \
+            0.5 * self.reg * sum((v ** 2).sum() for v in y.values())
+
+    def f(self, x, y, ep):
+        import torch.nn.functional as F
+
+        from ciders.models import vision as vz
+
+        return F.cross_entropy(vz.linear(y, self.features(x, ep.query)), ep.query_labels)
+
+    def _score(self, x, ep, n_way: int) -> float:
+        """Query accuracy of a fresh head fitted on the episode's support (`eval_steps` steps)."""
+        from ciders.models import vision as vz
+
+        ep = _episode_to(ep, self.device)
+        with torch.no_grad():
+            fs, fq = self.features(x, ep.support), self.features(x, ep.query)
+        head = {k: torch.zeros_like(v, device=fs.device, dtype=fs.dtype)
+                for k, v in vz.linear_init(n_way, fs.shape[1]).items()}
+        for _ in range(self.eval_steps):
+            _, gh = grads(lambda a, b: torch.nn.functional.cross_entropy(vz.linear(b, fs), ep.support_labels), {}, head)
+            head = {k: head[k] - self.eval_lr * gh[k] for k in head}
+        return float((vz.linear(head, fq).argmax(1) == ep.query_labels).float().mean())
+
+    def evaluate(self, x, y) -> dict:
+        """Accuracy with a 95% CI over `eval_episodes` held-out N-way K-shot episodes, and (when the task has
+        them) over the 20 official 20-way one-shot runs of Lake et al."""
+        gen = torch.Generator().manual_seed(self.seed + 7)
+        chars = sorted(self.eval_pool)
+        accs = [self._score(x, self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen),
+                            self.n_way) for _ in range(self.eval_episodes)]
+        out = _mean_ci(accs)
+        out["episodes"] = len(accs)
+        if self.official_runs:
+            off = _mean_ci([self._score(x, ep, 20) for ep in self.official_runs])
+            out.update({"official_runs_accuracy": off["accuracy"], "official_runs_ci95": off["ci95"]})
+        return out
+
+
+def _mean_ci(accs: list[float]) -> dict:
+    t = torch.tensor(accs)
+    return {"accuracy": float(t.mean()), "ci95": float(1.96 * t.std() / len(accs) ** 0.5) if len(accs) > 1 else 0.0}
+
+
+class LossTuneTask:
+    """Loss tuning (SPEC 2, task 2): x = VS-loss (w, l, Delta) per class, y = a one-hidden-layer classifier
+    on 8x8-average-pooled pixels (48 features; CPU scale). Clients hold an IID split of the long-tailed
+    training set; the outer loss is cross-entropy on a balanced validation set (each client its share);
+    evaluation is balanced accuracy on the balanced test set."""
+
+    def __init__(self, train, val, test, capacities: list[float], width: int = 32, reg: float = 1e-3, seed: int = 0,
+                 device: torch.device | str = "cpu"):
+        import torch.nn.functional as F
+
+        self.device = dev = torch.device(device)
+
+        self.F, self.caps, self.width, self.reg, self.seed = F, capacities, width, reg, seed
+        pool = lambda x: F.avg_pool2d(x, 8).flatten(1)  # noqa: E731
+        (xt, yt), (xv, yv), (xs, ys) = train, val, test
+        n = len(capacities)
+        gen = torch.Generator().manual_seed(seed)
+        pt, pv = torch.randperm(len(yt), generator=gen), torch.randperm(len(yv), generator=gen)
+        self.train = [(pool(xt[pt[i::n]]).to(dev), yt[pt[i::n]].to(dev)) for i in range(n)]
+        self.val = [(pool(xv[pv[i::n]]).to(dev), yv[pv[i::n]].to(dev)) for i in range(n)]
+        self.test = (pool(xs).to(dev), ys.to(dev))
+
+    def clients(self) -> list[float]:
+        return list(self.caps)
+
+    def initial(self):
+        g = torch.Generator().manual_seed(self.seed)
+        y = {"fc1.weight": torch.randn(self.width, 48, generator=g) * (2 / 48) ** 0.5,
+             "fc1.bias": torch.zeros(self.width), "head.weight": torch.randn(10, self.width, generator=g) * 0.1,
+             "head.bias": torch.zeros(10)}
+        x = {"w": torch.ones(10), "l": torch.zeros(10), "delta": torch.ones(10)}
+        return _to(x, self.device), _to(y, self.device)
+
+    def groups(self) -> dict:
+        return {}
+
+    def batches(self, i: int, q: int, n: int) -> list:
+        return [self.train[i]] * n
+
+    def outer_batch(self, i: int, q: int):
+        return self.val[i]
+
+    def _net(self, y, a):
+        F = self.F
+        return F.linear(torch.relu(F.linear(a, y["fc1.weight"], y["fc1.bias"])), y["head.weight"], y["head.bias"])
+
+    def g(self, x, y, batch):
+        from ciders.tasks.longtail import vs_loss
+
+        a, lab = batch
+        return vs_loss(self._net(y, a), lab, x["w"], x["l"], x["delta"]) + \
+            0.5 * self.reg * sum((v ** 2).sum() for v in y.values())
+
+    def f(self, x, y, batch):
+        a, lab = batch
+        return self.F.cross_entropy(self._net(y, a), lab)
+
+    def evaluate(self, x, y) -> dict:
+        from ciders.tasks.longtail import balanced_accuracy
+
+        with torch.no_grad():
+            logits = self._net(y, self.test[0])
+        return {"balanced_accuracy": balanced_accuracy(logits, self.test[1], 10), "test_examples": len(self.test[1])}
+
+
+def build(cfg):
+    """The task of a BilevelExperiment config, from the real data files."""
+    from pathlib import Path
+
+    from ciders.tasks.paths import resolve
+
+    from ciders.runtime import resolve_device
+
+    t, caps = cfg.task, cfg.federation.client_capacities()
+    root = Path(resolve(t.data))
+    dev = resolve_device(cfg.device, "device")
+    if t.kind == "fewshot":
+        from ciders.tasks import omniglot as om
+
+        pool = om.load_characters(root / "images_background_small1.zip")
+        held = om.load_characters(root / "images_background_small2.zip")
+        held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
+        return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
+                           eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
+                           shard_size=t.shard_size, device=dev,
+                           official_runs=om.one_shot_runs(root / "all_runs.zip") if (root / "all_runs.zip").is_file() else None)
+    from ciders.tasks import longtail as lt
+
+    xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")
+    xt, yt = lt.load_cifar10(root / "cifar10_test.zip")
+    tr = lt.per_class_subset(ys, lt.long_tail_counts(t.n_max, 10, t.imbalance))
+    va = lt.per_class_subset(yt, [t.val_per_class] * 10)
+    te = lt.per_class_subset(yt, [1000 - t.val_per_class] * 10, offset=t.val_per_class)
+    return LossTuneTask((xs[tr], ys[tr]), (xt[va], yt[va]), (xt[te], yt[te]), caps, t.width, t.reg, cfg.seed, device=dev)

@@ -1,0 +1,265 @@
+"""The LLM task of CIDERS for the engines: decomposition, public data and TAKD on the server side,
+client data and the messenger loss on the client side, and AdapEmu evaluation (SPEC 1.1-1.4, 1.6).
+The data (disjoint public / client / evaluation parts and the partition) come from `ciders.tasks.federated`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ciders.config import ExperimentConfig
+from ciders.eval.metrics import perplexity
+from ciders.fileio import write_json
+from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
+from ciders.models.messenger_loss import MessengerLoss
+from ciders.workloads import evaluation
+from ciders.workloads.prealign import build
+from ciders.runtime import derived_seed
+from ciders.tasks import federated
+from ciders.tasks.text import batches as iter_batches
+from ciders.tasks.text import collate
+
+
+class LLMTask:
+    """`role="client"` builds only what a client needs (model, its data, the messenger loss): no teacher
+    cache, no TAKD (a Flower ClientApp)."""
+
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print, role: str = "server"):
+        from ciders.algorithms import configure
+
+        cfg = configure(cfg)  # a baseline's TAKD settings (FedBiOT, FedOT) live in its config
+        self.cfg, self.log = cfg, log
+        self.d, self.tok = build(cfg)
+        self.pad = self.tok.pad_token_id
+        s = self.d.split
+        log(f"model {cfg.model.name}: {s.n_layers} layers on {self.d.device} ({self.d.base.dtype}); messenger "
+            f"{s.messenger_layers} layers, B_F {s.teacher_layers}, B_L {s.student_layers} at {list(s.student_indices)}")
+        self._load_data(Path(out))
+        log(f"data: {len(self.public)} public, {len(self.global_eval)} global eval, clients "
+            + ", ".join(f"{c} {len(self.train[c])}+{len(self.heldout[c])}" for c in sorted(self.train)) + " (train+heldout)")
+        tc = cfg.takd
+        self.cache = None
+        if tc.teacher_cache != "off" and role == "server":
+            bar = tqdm(total=len(self.public), desc="teacher cache B_F(x)", unit="ex", leave=False)
+            self.cache = TeacherCache.build(self.d, self.public, self.pad, batch_size=cfg.data.eval_batch_size,
+                                            mode=tc.teacher_cache, directory=Path(out) / "teacher_cache",
+                                            memory_limit_mib=tc.cache_memory_mib,
+                                            progress=lambda i, n: bar.update(i - bar.n))
+            bar.close()
+        self.loss = MessengerLoss(self.d)
+        self._hidden: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _load_data(self, out: Path) -> None:
+        self.data = federated.build(self.cfg, self.tok)
+        self.public, self.global_eval = self.data.public, self.data.global_eval
+        self.train, self.heldout = self.data.train, self.data.heldout
+        write_json(out / "data.json", self.data.info)
+
+    # ------------------------------------------------------------------ task protocol
+    def clients(self) -> dict[str, int]:
+        return {cid: len(f) for cid, f in self.train.items()}
+
+    def initial_messenger(self) -> dict:
+        return self.d.messenger_state()
+
+    def initial_extra(self):
+        tc = self.cfg.takd
+        bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
+
+        def on_step(rec: dict) -> None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}")
+
+        st, hist = distill(self.d, init_state(self.d), self.d.messenger_state(), self.public, tc, tc.bootstrap_steps,
+                           pad_id=self.pad, seed=self.cfg.seed, cache=self.cache, on_step=on_step)
+        bar.close()
+        t, m = takd_record(st)
+        pre = {"steps": tc.bootstrap_steps, **({"first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]} if hist else {})}
+        return t, m, pre
+
+    def extra_from_record(self, tensors: dict, meta: dict) -> TAKDState:
+        dev = self.d.device
+        st = takd_from_record({k: v.to(dev) for k, v in tensors.items()}, meta)
+        self.d.load_student(st.student)
+        return st
+
+    def extra_record(self, extra: TAKDState):
+        return takd_record(extra)
+
+    def downlink_extra(self, extra: TAKDState) -> dict:
+        """The student LoRA (every round) and the emulator's frozen base weights (first contact only)."""
+        return {"student": extra.student, "emulator": self.d.emulator_base_state()}
+
+    def downlink_reference(self) -> dict:
+        """What a client checks the downlink extras against (keys, shapes, dtypes)."""
+        return {"student": self.d.student_state(), "emulator": self.d.emulator_base_state()}
+
+    def static_extra(self) -> set[str]:
+        """Sent at a client's first contact only: the emulator's base weights (B_L, messenger layers,
+        embeddings, head), and, without per-round TAKD (FedOT, LocalOT), the student LoRA too."""
+        return {"emulator", "student"} if self.cfg.takd.round_steps == 0 else {"emulator"}
+
+    def begin_round(self, t: int, downlink_extra: dict) -> None:
+        if "emulator" in downlink_extra:  # absent in-process after first contact (shared model)
+            self.d.load_emulator_base(downlink_extra["emulator"])
+        if "student" in downlink_extra:  # absent when static and this client already holds it
+            self.d.load_student(downlink_extra["student"])
+        self._hidden.clear()  # B_L may have changed: cached backbone outputs are stale
+        self.d.messenger_top.train()  # LoRA dropout during client steps
+
+    def loss_fn(self, cid: str):
+        return self.loss
+
+    def batches(self, cid: str, t: int, n: int, seed: int) -> list:
+        """n micro-batches of the client's data: epochs of seeded permutations; B_L(x) is computed once
+        per example per round (no grad) and reused by every gradient evaluation and repeated batch."""
+        feats = self.train[cid]
+        bs = self.cfg.algorithm.batch_size
+        ci = int(cid[len("client"):])
+        out = []
+        for j in range(n):
+            idx = []
+            for g in range(j * bs, (j + 1) * bs):
+                epoch, k = divmod(g, len(feats))
+                perm = torch.randperm(len(feats), generator=torch.Generator().manual_seed(derived_seed(seed, t, ci, epoch)))
+                idx.append(int(perm[k]))
+            out.append(self._batch(cid, idx, derived_seed(seed, t, ci, j, 5) % (2**62)))
+        return out
+
+    def _batch(self, cid: str, idx: list[int], seed: int) -> dict:
+        feats = self.train[cid]
+        missing = sorted({i for i in idx if (cid, i) not in self._hidden})
+        if missing:
+            b = collate([feats[i] for i in missing], self.pad, self.d.device)
+            h = self.d.backbone_hidden(b["input_ids"], b["attention_mask"])
+            for r, i in enumerate(missing):
+                self._hidden[(cid, i)] = h[r, : len(feats[i]["input_ids"])]
+        b = collate([feats[i] for i in idx], self.pad, self.d.device)
+        hid = torch.zeros((len(idx), b["input_ids"].size(1), self.d.base.config.hidden_size),
+                          dtype=self.d.base.dtype, device=self.d.device)
+        for r, i in enumerate(idx):
+            h = self._hidden[(cid, i)]
+            hid[r, : h.size(0)] = h
+        return {"hidden": hid, "attention_mask": b["attention_mask"], "labels": b["labels"], "seed": seed}
+
+    def after_server(self, t: int, server, extra: TAKDState):
+        self.d.messenger_top.eval()
+        tc = self.cfg.takd
+        if tc.round_steps == 0:
+            return extra, {"steps": 0}
+        st, hist = distill(self.d, extra, server.messenger, self.public, tc, tc.round_steps, pad_id=self.pad,
+                           seed=self.cfg.seed, cache=self.cache)
+        return st, {"steps": tc.round_steps, "loss": sum(h["loss"] for h in hist) / len(hist),
+                    "hidden": hist[-1]["hidden"], "kl": hist[-1]["kl"], "ce": hist[-1]["ce"]}
+
+    def _ppl(self, messenger: dict, feats: list[dict]) -> dict:
+        self.d.load_messenger(messenger)
+        return perplexity(self.d.adapemu, iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device))
+
+    def evaluate(self, t: int, server, personalized: dict) -> dict:
+        """AdapEmu response NLL/PPL: global messenger on the global held-out set and on each client's
+        held-out part; each client's personalized messenger on its own held-out part. Without
+        communication (LocalOT) there is no global messenger: "global" figures and task metrics are the
+        mean over the clients' own messengers (`local_models` says how many)."""
+        pers = {cid: {k: v.to(self.d.device) for k, v in st.items()} for cid, st in personalized.items()}
+        tasks = self.cfg.eval.tasks if t >= 0 or self.cfg.eval.tasks_before else ()
+        if not self.cfg.algorithm.communicate and pers:
+            return self._evaluate_local(server, pers, tasks)
+        return self._evaluate(server, pers, tasks)
+
+    def _evaluate(self, server, pers: dict, tasks) -> dict:
+        out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
+        for cid in sorted(self.train):
+            if not self.heldout[cid]:
+                continue
+            row = {"global": self._ppl(server.messenger, self.heldout[cid])}
+            if cid in pers:
+                row["personalized"] = self._ppl(pers[cid], self.heldout[cid])
+            out["clients"][cid] = row
+        for name in tasks:  # scheduled task evaluations of the AdapEmu path
+            out[name] = self._task(name, server.messenger, pers)
+        self.d.load_messenger(server.messenger)
+        return out
+
+    def _evaluate_local(self, server, pers: dict, tasks) -> dict:
+        runs = []
+        for cid, m in sorted(pers.items()):
+            r = {"global": self._ppl(m, self.global_eval)}
+            for name in tasks:
+                if name != "nll_matrix":
+                    r[name] = self._task(name, m, {})
+            runs.append(r)
+        out = _mean_tree(runs)
+        out["clients"] = {cid: {"personalized": self._ppl(pers[cid], self.heldout[cid])}
+                          for cid in sorted(pers) if self.heldout.get(cid)}
+        if "nll_matrix" in tasks:
+            out["nll_matrix"] = self._task("nll_matrix", server.messenger, pers)
+        out["local_models"] = len(runs)
+        self.d.load_messenger(server.messenger)
+        return out
+
+    def _task(self, name: str, messenger: dict, pers: dict) -> dict:
+        self.d.load_messenger(messenger)
+        msgs = {self.data.client_label[c]: m for c, m in pers.items() if c in self.data.client_label}
+        if name == "nll_matrix" and len(msgs) < len(self.data.eval_by_label):
+            return {"skipped": "not every domain's client has a personalized messenger yet"}
+        return evaluation.evaluate(name, self.d.adapemu, self.tok, self.cfg.eval, data=self.data, seed=self.cfg.seed,
+                                   messengers=msgs, load_messenger=self.d.load_messenger,
+                                   max_length=self.cfg.data.max_length)
+
+    def finalize(self, out: Path, server, extra: TAKDState) -> None:
+        """The run's final global messenger and student LoRA as PEFT directories (for `ciders export`)."""
+        self.d.save_messenger(Path(out) / "adapters" / "messenger", server.messenger)
+        self.d.save_student(Path(out) / "adapters" / "student", extra.student)
+
+
+def _mean_tree(trees: list):
+    """Elementwise mean of same-shaped metric trees (numbers averaged; perplexities recomputed as
+    exp(mean NLL) where an 'nll' sits beside them; other leaves taken from the first tree)."""
+    import math
+
+    first = trees[0]
+    if isinstance(first, dict):
+        out = {k: _mean_tree([t[k] for t in trees if isinstance(t, dict) and k in t]) for k in first}
+        if "nll" in out and "ppl" in out and isinstance(out["nll"], float):
+            out["ppl"] = math.exp(out["nll"])
+        return out
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+            isinstance(t, (int, float)) for t in trees):
+        return sum(trees) / len(trees) if isinstance(first, float) or len(set(trees)) > 1 else first
+    return first
+
+
+def render(summary: dict) -> str:
+    """The demo table: AdapEmu held-out response NLL / PPL before and after, and MiB per direction."""
+    before, after = summary["eval_before"], summary["eval_after"] or {}
+    lines = [f"AdapEmu held-out response perplexity (NLL)        before              after"]
+
+    def cell(r):
+        return f"{r['ppl']:9.3f} ({r['nll']:.3f})" if r else f"{'-':>17}"
+
+    g0, g1 = before["global"], after.get("global")
+    lines.append(f"  global messenger, global eval ({g0['tokens']} tok)".ljust(48) + f"{cell(g0)}   {cell(g1)}")
+    for cid, row in sorted((after.get("clients") or before.get("clients") or {}).items()):
+        b = before.get("clients", {}).get(cid, {})
+        lines.append(f"  {cid} global messenger ({row['global']['tokens']} tok)".ljust(48)
+                     + f"{cell(b.get('global'))}   {cell(row.get('global'))}")
+        lines.append(f"  {cid} personalized messenger".ljust(48) + f"{cell(None)}   {cell(row.get('personalized'))}")
+    mib = summary["mib"]
+    comp = mib["by_component"]
+    n = max(summary["client_rounds"], 1)
+
+    def parts(d):
+        return ", ".join(f"{k} {v / n:.3f}" for k, v in d.items())
+
+    lines.append(f"MiB per client per round: downlink {mib['down_per_client_round']:.3f} ({parts(comp['down'])}); "
+                 f"uplink {mib['up_per_client_round']:.3f} ({parts(comp['up'])})")
+    once = mib.get("first_contact") or {}
+    if once:
+        lines.append("MiB per client, once at first contact: " + ", ".join(f"{k} {v:.3f}" for k, v in once.items()))
+    lines.append(f"MiB in total over {summary['rounds']} rounds, {summary['client_rounds']} client-rounds: "
+                 f"downlink {mib['down_total']:.2f}, uplink {mib['up_total']:.2f}")
+    return "\n".join(lines)

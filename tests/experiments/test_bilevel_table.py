@@ -1,0 +1,28 @@
+"""experiments.bilevel_table: the Table II / scalability table from per-run summaries (no training here)."""
+
+import json
+
+from ciders.experiments.bilevel_table import _rows, render
+
+
+def summary(acc, up, off=None, cover=1):
+    final = {"accuracy": acc, "ci95": 0.02, **({"official_runs_accuracy": off} if off is not None else {})}
+    return {"final": final, "op_estimate": up, "seconds": 1.0, "bytes_up": up, "bytes_down": 2 * up,
+            "covering_x_min": cover}
+
+
+def test_mean_std_over_seeds_and_ratios_to_fedmbo_at_the_same_point_and_seed():
+    pts = [("task.k_shot=1", None), ("task.k_shot=5", None)]
+    cells = {}
+    for p, _ in pts:
+        for s, (a, b) in enumerate([(0.50, 0.60), (0.54, 0.62)]):
+            cells[(p, s, "fedmbo")] = summary(b, 100.0 * (s + 1), off=0.3, cover=10)
+            cells[(p, s, "rabo")] = summary(a, 25.0 * (s + 1), off=0.2, cover=2 + s)
+    rows = {r["method"]: r for r in _rows(cells, pts, ["rabo", "fedmbo"], [0, 1])}
+    cell = rows["rabo"]["points"]["task.k_shot=1"]
+    assert abs(cell["mean"] - 52.0) < 1e-9 and abs(cell["std"] - 2 ** 0.5 * 2) < 1e-9 and cell["seeds"] == [50.0, 54.0]
+    assert rows["rabo"]["relative_to_fedmbo"]["bytes_up"] == 0.25 and rows["fedmbo"]["relative_to_fedmbo"]["seconds"] == 1.0
+    md = render({"seeds": [0, 1], "points": [p for p, _ in pts], "rows": list(rows.values())})
+    assert "| rabo | 52.00 ± 2.83 [±2.00] | 52.00 ± 2.83 [±2.00] | 2 | 0.250 | 1.000 | 0.250 | 0.250 |" in md
+    assert "official 20-way one-shot runs" in md and "| rabo | 20.00 ± 0.00 | 20.00 ± 0.00 |" in md
+    json.dumps(rows)  # table.json is plain JSON

@@ -1,0 +1,169 @@
+import dataclasses
+"""The bilevel round as messages (federation.bilevel_rounds) against the algorithm called directly: the wire
+and the masks' packing change no number; lost and malformed replies are left out of the round exactly
+as if they never arrived; the full-model baselines are FedAvg of their local steps."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ciders.algorithms import dist_maml, fedmeta
+from ciders.algorithms import rabo as rb
+from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
+from ciders.core.tensors import equal
+from ciders.core.wire import decode, encode
+from ciders.federation.bilevel_loop import in_process, run_bilevel
+from ciders.errors import CidersError
+from ciders.federation.inprocess import Faults
+from ciders.federation.bilevel_rounds import BilevelServer, client_phase, method_config
+from ciders.fileio import read_jsonl
+from helpers import QuadTask
+
+
+def exp_for(method="rabo", rounds=2, **rabo):
+    base = BilevelExperiment(federation=BilevelFederationConfig(clients=3, rounds=rounds))
+    base = replace(base, rabo=replace(base.rabo, inner_steps=2, beta=0.1, alpha=0.1, solver_iters=8, **rabo),
+                   fedmeta=replace(base.fedmeta, local_steps=2, lr=0.05, inner_lr=0.1))
+    return method_config(base, method)
+
+
+def direct_round(exp, task, state, drop=()):
+    """One round of `algorithms.rabo` called directly, clients in `drop` left out of both phases."""
+    cfg = exp.rabo
+    ids = [i for i in range(len(task.caps)) if i not in drop]
+    masks = {i: rb.client_masks(cfg, state, task.caps[i], groups={}, client=i, capacities=task.caps)
+             for i in range(len(task.caps))}
+    Gs = [rb.inner_update(cfg, state, masks[i], task.g, task.batches(i, 0, cfg.inner_steps))[0] for i in ids]
+    mid, _ = rb.server_inner(cfg, state, Gs, [masks[i] for i in ids])
+    hs = [rb.outer_update(cfg, mid, masks[i], task.f, task.g, i)[0] for i in ids]
+    return rb.server_outer(cfg, mid, hs, [masks[i] for i in ids])[0]
+
+
+@pytest.mark.parametrize("method", ["rabo", "rafbo", "fedmbo", "fiarse", "oap"])
+def test_a_round_through_messages_equals_the_algorithm_called_directly(tmp_path, method):
+    exp, task = exp_for(method, rounds=1), QuadTask()
+    run_bilevel(exp, task, tmp_path, log=lambda s: None)
+    want = direct_round(exp, task, rb.init_state(*task.initial()))
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "final.safetensors"))
+    assert all(torch.equal(got[f"x/{k}"], v) for k, v in want.x.items())
+    assert all(torch.equal(got[f"y/{k}"], v) for k, v in want.y.items())
+
+
+def test_a_lost_inner_reply_leaves_the_client_out_of_the_round(tmp_path):
+    exp, task = exp_for("rabo", rounds=1), QuadTask()
+    logs = []
+    run_bilevel(exp, task, tmp_path, log=logs.append, exchange=in_process(exp, task, Faults(drop={(0, "inner", "client1")})))
+    rnd = next(r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "round")
+    assert rnd["inner_clients"] == ["client0", "client2"] and rnd["outer_clients"] == ["client0", "client2"]  # no outer message to client 1
+    from safetensors.torch import load_file
+
+    want, got = direct_round(exp, task, rb.init_state(*task.initial()), drop=(1,)), load_file(str(tmp_path / "final.safetensors"))
+    assert all(torch.equal(got[f"x/{k}"], v) for k, v in want.x.items())
+
+
+def _nan(up):
+    comps, meta = decode(up)
+    return encode({n: {k: torch.full_like(v, float("nan")) for k, v in st.items()} for n, st in comps.items()}, meta)[0]
+
+
+def _short(up):
+    comps, meta = decode(up)
+    return encode({n: {k: v[:-1] for k, v in st.items()} for n, st in comps.items()}, meta)[0]
+
+
+def _stale(up):
+    comps, meta = decode(up)
+    return encode(comps, {**meta, "round": meta["round"] - 1})[0]
+
+
+@pytest.mark.parametrize("bad,why", [(_nan, "NaN"), (_short, "expected"), (_stale, "expected round 1")])
+def test_a_malformed_reply_is_rejected_and_changes_nothing(tmp_path, bad, why):
+    """Client 2's round-1 outer reply is tampered with: it is rejected with a reason, and the run equals
+    the one in which that reply was lost."""
+    exp, task = exp_for("rabo", rounds=2), QuadTask()
+
+    base = in_process(exp, task)
+
+    def tamper(phase, q, messages):
+        out = base(phase, q, messages)
+        if (q, phase) == (1, "outer"):
+            out = [dataclasses.replace(r, payload=bad(r.payload)) if r.client_id == "client2" else r for r in out]
+        return out
+
+    logs = []
+    run_bilevel(exp, task, tmp_path / "bad", log=logs.append, exchange=tamper)
+    run_bilevel(exp, task, tmp_path / "lost", log=lambda s: None, exchange=in_process(exp, task, Faults(drop={(1, "outer", "client2")})))
+    assert any("rejected the reply of client2" in line and why in line for line in logs), logs
+    assert (tmp_path / "bad" / "final.safetensors").read_bytes() == (tmp_path / "lost" / "final.safetensors").read_bytes()
+
+
+def test_only_kept_entries_travel():
+    exp, task = exp_for("rabo"), QuadTask()
+    server = BilevelServer(exp, task, log=lambda s: None)
+    server.begin(0)
+    m = server.masks["client2"]  # capacity 1/4: 1 of 4 rows of X, 1 of 5 rows of Y
+    comps, _ = decode(server.down("inner", "client2"))
+    assert comps["x"]["enc.weight"].numel() == 3 and comps["y"]["head.weight"].numel() == 4
+    up, rec = client_phase(exp, task, "inner", "client2", server.down("inner", "client2"), {})
+    assert decode(up)[0]["G"]["head.weight"].numel() == int(m.y["head.weight"].sum()) == 4
+    assert rec["bytes_down"] == len(server.down("inner", "client2")) and rec["bytes_up"] == len(up)
+    full = BilevelServer(exp_for("fedmbo"), task, log=lambda s: None)
+    full.begin(0)
+    assert len(server.down("inner", "client2")) < len(full.down("inner", "client2"))
+
+
+def test_full_model_baseline_round_is_fedavg_of_the_local_steps(tmp_path):
+    exp, task = exp_for("dist-maml", rounds=1), QuadTask()
+    exp = replace(exp, task=replace(exp.task, kind="fewshot"))
+    run_bilevel(exp, task, tmp_path, log=lambda s: None)
+    x0, y0 = task.initial()
+    locs = [dist_maml.local_update(exp.fedmeta, task, x0, y0, i, 0) for i in range(3)]
+    want_x = fedmeta.server_mean(x0, [lx for lx, _, _ in locs], [1, 1, 1])
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "final.safetensors"))
+    assert equal({"enc.weight": got["x/enc.weight"]}, want_x)
+    recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "client"]
+    assert [r["phase"] for r in recs] == ["local"] * 3 and all(r["kept_fraction"] == 1.0 for r in recs)
+
+
+def test_method_errors_name_the_problem():
+    from ciders.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown bilevel method 'fednest'"):
+        exp_for("fednest")
+    with pytest.raises(ConfigError, match="fedavg is a baseline of the losstune task"):
+        exp_for("fedavg")
+    with pytest.raises(ConfigError, match="runs rabo.method rafbo"):
+        replace(BilevelExperiment(), method="rafbo").validate()
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_numbers(tmp_path):
+    """The server dies in round 2's outer phase; `resume` continues from round 1's checkpoint and ends with
+    the same metrics.jsonl and final state as a run that never stopped. A changed config, or a run without
+    resume, is refused (the run directory rule of every family)."""
+    exp, task = exp_for("rabo", rounds=4), QuadTask()
+    run_bilevel(exp, task, tmp_path / "whole", log=lambda s: None)
+
+    base = in_process(exp, task)
+
+    def crash(phase, q, messages):
+        if (q, phase) == (2, "outer"):
+            raise KeyboardInterrupt("server killed")
+        return base(phase, q, messages)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bilevel(exp, task, tmp_path / "cut", log=lambda s: None, exchange=crash)
+    logs = []
+    run_bilevel(exp, task, tmp_path / "cut", log=logs.append, resume=True)
+    assert any("resuming after round 1" in line for line in logs)
+    for f in ("metrics.jsonl", "final.safetensors"):
+        assert (tmp_path / "whole" / f).read_bytes() == (tmp_path / "cut" / f).read_bytes(), f
+    other = replace(exp, rabo=replace(exp.rabo, alpha=0.2))
+    with pytest.raises(CidersError, match="differs from the run's config.yaml at 'rabo.alpha'"):
+        run_bilevel(other, task, tmp_path / "cut", log=lambda s: None, resume=True)
+    with pytest.raises(CidersError, match="already holds a run"):  # the same rule as CIDERS runs
+        run_bilevel(exp, task, tmp_path / "cut", log=lambda s: None)
