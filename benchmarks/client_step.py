@@ -1,4 +1,5 @@
-"""One client optimizer step, measured in one process on the same AdapEmu model and batches (SPEC 1.3):
+"""One client optimizer step, measured in one process on the same AdapEmu model and batches (Eq. 4;
+docs/method.md#eq-4-the-consensus-corrected-local-step):
 
   (i)   plain PEFT LoRA step: full AdapEmu forward + backward + AdamW (what a FedOT client does)
   (ii)  CIDERS-FO step: B_L(x) once, look-ahead gradient + meta-gradient on the messenger, AdamW

@@ -1,4 +1,4 @@
-"""Per-round TAKD time with and without the teacher cache, side by side (SPEC 1.2).
+"""Per-round TAKD time with and without the teacher cache, side by side (Eq. 13; docs/method.md#eq-13-per-round-takd).
 
 B_F(x) on the public data never changes, so the cache computes it once; each round then runs only the
 messenger on it for M*(x), instead of the full n-layer teacher. Rounds of T_L steps alternate between

@@ -4,16 +4,16 @@ import itertools
 
 import pytest
 
-from ciders.runtime import SEED_STREAMS, derive_seed, derived_seed
+from ciders.runtime import SEED_STREAMS, derive_seed
 
-# the engines' streams are registered here even before their call sites are converted
+# the streams of the round loop and the workloads
 LEAD_STREAMS = {"client-sampling", "client-batches", "eval-split", "synthetic-client", "synthetic-batch",
                 "bilevel-episodes", "bilevel-eval", "bilevel-init"}
 
 
 def fnv1a_reference(words):
     """FNV-1a on 64-bit words, written out independently of ciders.runtime (the package's offset basis is
-    FNV's 14695981039346656037 without its last digit, as derived_seed has always used)."""
+    FNV's 14695981039346656037 without its last digit, kept from earlier releases)."""
     h = 1469598103934665603
     for w in words:
         h = ((h ^ (w % 2**64)) * 0x100000001B3) % 2**64
@@ -28,9 +28,6 @@ def test_values_are_pinned_and_follow_the_documented_hash():
     name = b"client-batches"
     assert derive_seed(7, "client-batches", 2, 3, 4) == \
         fnv1a_reference([*name, len(name), 3, 7, 2, 3, 4]) % 2**63
-    # the legacy helper is unchanged (the engines still call it)
-    assert derived_seed(3, 4, 5) == 1104905072349142539
-    assert derived_seed(3, 4, 5) == fnv1a_reference([3, 4, 5]) % 2**63
 
 
 def test_streams_and_keys_give_distinct_seeds():

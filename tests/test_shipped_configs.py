@@ -1,7 +1,6 @@
 """Every shipped experiment config loads and validates, each method resolves from it, and the paper-
 scale ones decompose their models as Table II says (from the public config.json, no weights)."""
 
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ FIX = ROOT / "tests" / "fixtures" / "configs"
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_config_loads_and_every_method_resolves(path):
     if path.name.startswith("rabo_"):  # a bilevel experiment (`ciders bilevel`)
-        from ciders.config_bilevel import BilevelExperiment
+        from ciders.config.bilevel import BilevelExperiment
 
         cfg = load_config(path, cls=BilevelExperiment)
     else:

@@ -1,8 +1,8 @@
 """ciders: cloud-edge collaborative LLM fine-tuning by personalized bilevel optimization (CIDERS),
 and resource-adaptive distributed bilevel optimization (RABO / RAFBO).
 
-Layers (arrows point down only): cli -> engines -> algorithms -> core / models / tasks / eval.
-See ARCHITECTURE in the docs and SPEC section numbers cited in each module.
+Layers (imports point down only): docs/architecture.md#layers. The equations, each with the function that
+implements it: docs/method.md (CIDERS) and docs/rabo.md#the-equations (RABO family); module docstrings cite them.
 """
 
 __version__ = "0.1.0"

@@ -26,10 +26,27 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _load_cfg(a: argparse.Namespace):
-    from ciders.config import load_config
+def _names(family: str) -> list[str]:
+    """Method names for the help texts, from the config layer's Literals (no algorithm import)."""
+    import typing
 
-    return load_config(a.config, a.set or [])
+    from ciders.config import AlgorithmName, BilevelMethod
+
+    if family == "bilevel":
+        return list(typing.get_args(BilevelMethod))
+    return ["ciders-fo", "ciders-fd", *(n for n in typing.get_args(AlgorithmName) if n != "ciders")]
+
+
+def _load_cfg(a: argparse.Namespace, family: str = "ciders"):
+    """The experiment of `a.config` (its declared family must be `family`)."""
+    from ciders.config import load_experiment
+
+    cfg = load_experiment(a.config, a.set or [])
+    if cfg.family != family:
+        other = "ciders bilevel CONFIG" if cfg.family == "bilevel" else "ciders run CONFIG"
+        raise CidersError(f"{a.config} is a {cfg.family}-family experiment (family: {cfg.family}); run it with "
+                          f"`{other}`")
+    return cfg
 
 
 def _cmd_distill(a: argparse.Namespace) -> int:
@@ -43,11 +60,9 @@ def _cmd_distill(a: argparse.Namespace) -> int:
 
 
 def _cmd_bilevel(a: argparse.Namespace) -> int:
-    from ciders.config import load_config
-    from ciders.config_bilevel import BilevelExperiment
     from ciders.experiments.bilevel import run_experiment
 
-    exp = load_config(a.config, a.set or [], cls=BilevelExperiment)
+    exp = _load_cfg(a, "bilevel")
     out = Path(a.out) if a.out else Path("runs") / exp.name
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if a.seeds is None and not a.grid:
@@ -70,10 +85,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
     cfg = _load_cfg(a)
     out = Path(a.out) if a.out else Path("runs") / cfg.name
-    done = RunDir(out).committed()
-    if done is not None and not a.resume:
-        raise CidersError(f"{out} already holds a run (round {done} committed); pass --resume to continue it "
-                          "or choose another --out")
+    RunDir(out).refuse_unless(a.resume)  # before a Flower simulation starts (the run checks again)
     out.mkdir(parents=True, exist_ok=True)
     if a.engine == "flower-sim":
         from ciders.transports.flower.server_app import run_simulation
@@ -87,10 +99,10 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
-    from ciders.config_bilevel import is_bilevel
+    from ciders.config import family_of
     from ciders.experiments.compare import parse_methods, parse_seeds, run_compare
 
-    if is_bilevel(Path(a.config)):  # a RABO-family experiment: `ciders bilevel --seeds`
+    if family_of(Path(a.config)) == "bilevel":  # a RABO-family experiment: `ciders bilevel --seeds`
         a.methods, a.grid, a.engine = a.algorithms or "rabo,rafbo,fedmbo", [], "local"
         a.seeds = a.seeds or "0"
         return _cmd_bilevel(a)
@@ -151,7 +163,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
     cfg = load_config(run / "config.yaml")
     d, tok = build(cfg)
     if a.client:
-        from ciders.federation.loop import load_personalized
+        from ciders.workloads.evaluation import load_personalized
 
         messenger = load_personalized(run, a.client, d)
     else:
@@ -290,8 +302,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bilevel", help="RABO / RAFBO / FedMBO on a bilevel task (few-shot Omniglot, loss tuning)")
     _experiment_args(p, "bilevel experiment YAML (configs/cpu/rabo_*.yaml)", "output directory (default runs/<name>)")
     p.add_argument("--methods", default="rabo,rafbo,fedmbo",
-                   help="comma-separated: rabo, rafbo, fedmbo, static, fedrolex, fiarse, oap, dist-protonet, dist-maml "
-                        "(few-shot), fedavg (loss tuning)")
+                   help=f"comma-separated, of: {', '.join(_names('bilevel'))}")
     p.add_argument("--seeds", help="comma-separated seeds: a table of mean +- std over them (OUT/table.md)")
     p.add_argument("--grid", action="append", metavar="KEY=V1,V2",
                    help="a config key and its values, repeatable (e.g. task.n_way=5,20: Table II; "
@@ -306,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     _experiment_args(p, "experiment YAML (the shared settings; each method fixes its own knobs)",
                      "comparison directory (default runs/compare-<name>); finished runs are reused")
     p.add_argument("--algorithms", default=None,
-                   help="comma-separated: ciders-fo, ciders-fd, fedavg, fedprox, scaffold, fedot, fedbiot, localot "
+                   help=f"comma-separated, of: {', '.join(_names('ciders'))} "
                         "(default ciders-fo,ciders-fd,fedbiot,fedot,localot); for a RABO-family config the "
                         "`ciders bilevel --methods` names (default rabo,rafbo,fedmbo)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (mean +- std over them)")
@@ -325,7 +336,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write DIR/report/ instead of PATH/report/")
     p.set_defaults(fn=_cmd_report)
 
-    p = sub.add_parser("theory", help="SPEC 1.5 on synthetic clients: measured DR/PPR vs psi_t per round")
+    p = sub.add_parser("theory", help="Prop. 2 (docs/method.md) on synthetic clients: measured DR/PPR vs psi_t per round")
     p.add_argument("--clients", type=int, default=5)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--K", type=int, default=5)

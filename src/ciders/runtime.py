@@ -110,8 +110,8 @@ def derive_seed(seed: int, stream: str, *keys: int) -> int:
     """A deterministic 63-bit seed for the draws of `stream` (a name in SEED_STREAMS) at integer `keys`
     (round, client, epoch, ...), from the run seed; stable across processes and platforms.
 
-    The hash input is (name bytes, name length, number of keys, seed, keys...), mixed by the FNV-1a steps
-    of `derived_seed`. For fixed (seed, keys) every step is a bijection of the state modulo 2^63, and the
+    The hash input is (name bytes, name length, number of keys, seed, keys...), mixed by FNV-1a steps.
+    For fixed (seed, keys) every step is a bijection of the state modulo 2^63, and the
     registered names have distinct states (checked at import), so two streams never give the same seed for
     the same (seed, keys); (seed, "a", 1) and (seed, "a", 1, 0) differ in the key count."""
     try:
@@ -123,14 +123,4 @@ def derive_seed(seed: int, stream: str, *keys: int) -> int:
     h = _mix(h, seed)
     for k in keys:
         h = _mix(h, k)
-    return h & _M63
-
-
-def derived_seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (e.g. run seed, step), stable across processes.
-
-    Legacy: new code uses `derive_seed`, whose named streams cannot collide with one another."""
-    h = _FNV_OFFSET
-    for p in parts:
-        h = _mix(h, p)
     return h & _M63

@@ -1,4 +1,4 @@
-"""Each baseline's round against a hand computation (SPEC 1.6 baselines; `ciders.algorithms`).
+"""Each baseline's round against a hand computation (docs/method.md#baselines-as-knob-settings; `ciders.algorithms`).
 
 Vector level: quadratic client losses 0.5 (x-b)^T H (x-b) + n_k^T x (VectorTask), plain SGD at a
 constant learning rate, the real make_broadcast / client_update / server_update of the configured

@@ -5,8 +5,8 @@ import torch
 
 from ciders.algorithms import ciders as alg
 from ciders.config import CidersConfig
-from ciders.core.tensors import equal, lincomb, max_abs_diff, sub
-from ciders.experiments.theory import run_theory, synthetic_clients
+from ciders.core.tensors import equal, lincomb, max_abs_diff
+from ciders.experiments.theory import run_theory
 
 
 def cfg(**kw):

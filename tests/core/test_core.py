@@ -1,4 +1,3 @@
-import math
 
 import pytest
 import torch
@@ -75,7 +74,7 @@ def test_schedules():
     assert gamma_at(0, "protocol_c", 0) == gamma_at(1, "protocol_c", 0) == 0.9
     assert gamma_at(2, "protocol_c", 0) == pytest.approx(0.9 * 0.86)
     floor = [t for t in range(2, 200) if gamma_at(t, "protocol_c", 0) == 0.01]
-    assert floor[0] == 31  # SPEC 1.4: reaches the floor at round 31
+    assert floor[0] == 31  # docs/method.md#schedules: reaches the floor at round 31
     assert len({gamma_at(t, "protocol_c", 0) for t in range(151)}) == 31
     assert warmup_cosine(0, 100, 1.0, warmup=10) == pytest.approx(0.1)
     assert warmup_cosine(10, 100, 1.0, warmup=10) == pytest.approx(1.0)

@@ -1,4 +1,5 @@
-"""Hypergradients of a quadratic bilevel problem against its closed form (SPEC 2, outer phase).
+"""Hypergradients of a quadratic bilevel problem against its closed form
+(docs/rabo.md#outer-phase-the-hypergradient-rabo).
 
 g(x, y) = 1/2 y'Ay - y'Bx + c'y  (A SPD)  ->  y*(x) = A^{-1}(Bx - c)
 f(x, y) = 1/2 |y - t|^2 + lam/2 |x|^2     ->  grad Phi(x) = lam x + B' A^{-1} (y*(x) - t)

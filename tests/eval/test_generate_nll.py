@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from ciders.eval.generate import generate
 from ciders.eval.nll_matrix import cross_gap, nll_matrix

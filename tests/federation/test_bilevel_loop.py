@@ -43,7 +43,7 @@ def test_bilevel_device_is_resolved_and_checked(tmp_path, capsys):
     import torch
 
     from ciders.config import load_config
-    from ciders.config_bilevel import BilevelExperiment
+    from ciders.config.bilevel import BilevelExperiment
     from ciders.workloads.bilevel import build
 
     shared("cifar10", "cifar10_test.zip")
@@ -79,15 +79,15 @@ def test_compare_and_grid_tables_over_seeds(tmp_path, capsys):
     cfg = str(ROOT / "configs/cpu/rabo_losstune.yaml")
     small = [x for kv in ["federation.clients=2", "federation.rounds=1", "task.n_max=20", "task.imbalance=10",
                           "task.val_per_class=5"] for x in ("--set", kv)]
-    assert main(["compare", cfg, "--out", str(tmp_path / "c"), "--algorithms", "rabo,fedmbo,fedavg", "--seeds", "0,1",
+    assert main(["compare", cfg, "--out", str(tmp_path / "c"), "--algorithms", "rabo,fedmbo,fedavg-notune", "--seeds", "0,1",
                  *small]) == 0
     res = json.loads((tmp_path / "c" / "table.json").read_text())
     rows = {r["method"]: r for r in res["rows"]}
     assert res["seeds"] == [0, 1] and len(rows["rabo"]["points"]["default"]["seeds"]) == 2
     assert rows["fedmbo"]["relative_to_fedmbo"]["bytes_up"] == 1.0 and rows["rabo"]["relative_to_fedmbo"]["bytes_up"] < 1
     runs = sorted(p.parent.name for p in (tmp_path / "c").glob("default/seed*/*/summary.json"))
-    assert runs == ["fedavg", "fedavg", "fedmbo", "fedmbo", "rabo", "rabo"]
-    assert main(["bilevel", cfg, "--out", str(tmp_path / "c"), "--methods", "rabo,fedmbo,fedavg", "--seeds", "0,1",
+    assert runs == ["fedavg-notune", "fedavg-notune", "fedmbo", "fedmbo", "rabo", "rabo"]
+    assert main(["bilevel", cfg, "--out", str(tmp_path / "c"), "--methods", "rabo,fedmbo,fedavg-notune", "--seeds", "0,1",
                  *small]) == 0
     assert "running nothing (reused)" in capsys.readouterr().out
     assert main(["bilevel", cfg, "--out", str(tmp_path / "g"), "--methods", "rabo,fedmbo", "--grid",

@@ -10,7 +10,7 @@ import torch
 
 from ciders.algorithms import dist_maml, fedmeta
 from ciders.algorithms import rabo as rb
-from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
+from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
 from ciders.core.tensors import equal
 from ciders.core.wire import decode, encode
 from ciders.federation.bilevel_loop import in_process, run_bilevel
@@ -135,10 +135,13 @@ def test_method_errors_name_the_problem():
 
     with pytest.raises(ConfigError, match="unknown bilevel method 'fednest'"):
         exp_for("fednest")
-    with pytest.raises(ConfigError, match="fedavg is a baseline of the losstune task"):
+    with pytest.raises(ConfigError, match="fedavg-notune is a baseline of the losstune task"):
+        exp_for("fedavg-notune")
+    with pytest.raises(ConfigError, match="unknown bilevel method 'fedavg'"):  # that name is the CIDERS baseline's
         exp_for("fedavg")
-    with pytest.raises(ConfigError, match="runs rabo.method rafbo"):
-        replace(BilevelExperiment(), method="rafbo").validate()
+    with pytest.raises(ConfigError, match="method rafbo runs rabo.method rafbo"):
+        method_config(replace(BilevelExperiment(), method="rafbo", rabo=replace(BilevelExperiment().rabo,
+                                                                                 method="fedmbo")), "rafbo")
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_numbers(tmp_path):

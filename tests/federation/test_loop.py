@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from ciders.algorithms import ciders as alg
 from ciders.config import load_config

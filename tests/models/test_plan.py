@@ -17,7 +17,8 @@ QWEN2_15B = str(FIXTURES / "configs" / "qwen2-1.5b")  # a directory works too
 @pytest.mark.parametrize(
     "model, layers, student, msg_params, stu_params, mib, per_direction",
     [
-        # SPEC 1.1 / Table II; Table VI per-direction messenger + consensus MiB
+        # Table II; Table VI per-direction messenger + consensus MiB
+        # (docs/method.md#algorithm-1-model-decomposition-modelprep)
         (QWEN25_3B, (36, 30), 24, 1_247_232, 4_988_928, 4.76, 9.516),
         (QWEN2_15B, (28, 22), 18, 989_184, 2_967_552, 3.77, 7.547),
     ],

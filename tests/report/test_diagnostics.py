@@ -1,6 +1,6 @@
-"""The diagnostics readout of a run (SPEC 1.5): the per client-round statistics are the recorded ones,
-psi_t / psi_inf follow Eqs. 27-29 for the run's hyperparameters, FD shares count the recorded r_FD,
-and the PCA is a proper projection of the five statistics."""
+"""The diagnostics readout of a run (docs/method.md#empirical-readouts-e-rae-s-dr-s-ppr): the per client-round
+statistics are the recorded ones, psi_t / psi_inf follow Eqs. 27-29 for the run's hyperparameters, FD shares count the
+recorded r_FD, and the PCA is a proper projection of the five statistics."""
 
 import numpy as np
 import pytest

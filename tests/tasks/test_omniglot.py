@@ -70,7 +70,7 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     from dataclasses import replace
 
     from ciders.algorithms import fedmbo
-    from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
+    from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
     from ciders.federation.bilevel_loop import run_bilevel
     from ciders.workloads.bilevel import FewShotTask
     from ciders.fileio import read_jsonl

@@ -10,7 +10,7 @@ from flwr.app import Error, Message
 from flwr.supercore.task_identity import TaskIdentity
 
 from ciders.config import dump_yaml
-from ciders.config_bilevel import BilevelExperiment, BilevelFederationConfig
+from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
 from ciders.federation.bilevel_loop import in_process, run_bilevel
 from ciders.federation.inprocess import Faults
 from ciders.transports.flower.exchange import FlowerExchange

@@ -1,40 +1,33 @@
-"""Algorithms. CIDERS (`ciders.algorithms.ciders`) holds the update rules; every baseline is a module
-that fixes some of its knobs (`configure(cfg) -> cfg`), so all of them run through the same client and
-server functions, engines, data and evaluation.
+"""Algorithms: the update rules of both method families, pure functions over explicit state.
 
-Method names for `ciders compare`: ciders-fo, ciders-fd, fedavg, fedprox, scaffold, fedot, fedbiot, localot.
+CIDERS (`ciders.algorithms.ciders`) holds the client and server updates of Eqs. 4-12 (docs/method.md);
+every CIDERS-family baseline is a module that fixes some of its knobs (`configure(cfg) -> cfg`), so all of
+them run through the same client and server functions, round loop, data and evaluation. The RABO family
+(`rabo`, `rafbo`, `fedmbo`, and the full-model baselines of `fedmeta`) is described in docs/rabo.md.
+Every method, by name, is one row of `ciders.algorithms.registry`.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import replace
+import dataclasses
 
-from ciders.errors import ConfigError
+from ciders.algorithms.registry import REGISTRY, Method, get, names  # noqa: F401
 
-BASELINES = ("fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot")
-METHODS = ("ciders-fo", "ciders-fd") + BASELINES
+METHODS = names("ciders")  # the CIDERS-family methods (`ciders compare --algorithms`)
+BASELINES = tuple(m for m in METHODS if not m.startswith("ciders-"))
 
 
 def configure(cfg, method: str | None = None):
-    """The effective config of `method` (default: cfg.algorithm.name) built from `cfg`. Idempotent."""
-    method = method or (cfg.algorithm.name if cfg.algorithm.name != "ciders" else f"ciders-{cfg.algorithm.metagrad}")
-    if method not in METHODS:
-        raise ConfigError(f"unknown algorithm {method!r}; choose from {', '.join(METHODS)}")
-    if method.startswith("ciders-"):
-        return replace(cfg, algorithm=replace(cfg.algorithm, name="ciders", metagrad=method.split("-")[1]))
-    return importlib.import_module(f"ciders.algorithms.{method}").configure(cfg)
+    """The effective config of `method` (default: the config's own, `cfg.algorithm.method`). Idempotent."""
+    return get(method or cfg.algorithm.method, "ciders").configure(cfg)
 
 
 def method_name(cfg) -> str:
-    a = cfg.algorithm
-    return f"ciders-{a.metagrad}" if a.name == "ciders" else a.name
+    return cfg.algorithm.method
 
 
 def changes(before, after, prefix: str = "") -> list[str]:
     """'key: old -> new' for every setting `configure` changed (for the run log)."""
-    import dataclasses
-
     out = []
     for f in dataclasses.fields(before):
         x, y = getattr(before, f.name), getattr(after, f.name)

@@ -1,4 +1,4 @@
-"""CIDERS client and server updates (paper Sec. IV-B/C, Algorithm 2; SPEC 1.3-1.4).
+"""CIDERS client and server updates (paper Sec. IV-B/C, Algorithm 2; docs/method.md#algorithm-2-one-round).
 
 Model-agnostic: parameters are a named tensor dict and `loss_fn(params, batch) -> scalar` (autograd
 gives gradients), so the same functions run an LLM messenger and a plain vector (`ciders theory`).
@@ -206,7 +206,8 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
         if cfg.metagrad == "fd":
             rec["r_fd"] = max(i["r_fd"] for i in infos)
         steps.append(rec)
-    eta_bar = sum(b.lrs) / k_steps  # SPEC decision: mean of the K per-step learning rates
+    # our decision (docs/method.md#eq-8-the-displacement-delta_i): eta_bar is the mean of the K per-step learning rates
+    eta_bar = sum(b.lrs) / k_steps
     delta = cs.displacement(w, x, k_steps, eta_bar)  # Eq. 8
     c_i_new = cs.client_consensus(c_i, delta, c, cfg.alpha, gamma)  # Eq. 9
     dc = cs.increment(c_i_new, c_i)  # Eq. 10

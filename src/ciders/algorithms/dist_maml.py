@@ -1,6 +1,6 @@
 """Dist-MAML: model-agnostic meta-learning (Finn, Abbeel and Levine, ICML 2017) federated by FedAvg of the
-meta-learner, the RABO paper's full-model few-shot baseline (rabo-paper.txt, Table II; SPEC Part 2,
-Baselines).
+meta-learner, the RABO paper's full-model few-shot baseline (the RABO paper, Table II;
+docs/rabo.md#full-model-baselines).
 
 The meta-learner is the whole model theta = (x, y) (feature extractor and head). As in the original MAML,
 the adaptation updates *all* parameters, not only the head (ANIL-style head-only adaptation would be a

@@ -1,5 +1,5 @@
 """Dist-ProtoNet: prototypical networks (Snell, Swersky and Zemel, NeurIPS 2017) federated by FedAvg, the
-RABO paper's full-model few-shot baseline (rabo-paper.txt, Table II; SPEC Part 2, Baselines).
+RABO paper's full-model few-shot baseline (the RABO paper, Table II; docs/rabo.md#full-model-baselines).
 
 On an episode with support S (labels 0..N-1) and query Q, with the feature extractor phi_x:
 

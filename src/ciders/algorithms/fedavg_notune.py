@@ -1,5 +1,5 @@
 """FedAvg without loss tuning: the single-level, full-model baseline of the RABO paper's loss-tuning
-experiment (rabo-paper.txt, Sec. V and Fig. 6, the brown dashed line; SPEC Part 2, Baselines), i.e.
+experiment (the RABO paper, Sec. V and Fig. 6, the brown dashed line; docs/rabo.md#full-model-baselines), i.e.
 FedAvg (McMahan et al., AISTATS 2017) of the classifier y on the long-tailed training set with the loss
 hyperparameters left at their untuned values.
 

@@ -1,6 +1,6 @@
-"""FedMBO (Huang et al., 2023; the full-model baseline of rabo-paper.txt): RABO with every mask full, so every
-client trains all of x and y and the per-coordinate mean is the plain mean over the clients. Differs from
-RABO only in the masks (`ciders.algorithms.rabo`)."""
+"""FedMBO (Huang et al., 2023; the full-model baseline of the RABO paper; docs/rabo.md#server-outer-update): RABO with
+every mask full, so every client trains all of x and y and the per-coordinate mean is the plain mean over the clients.
+Differs from RABO only in the masks (`ciders.algorithms.rabo`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Shared blocks of the full-model federated baselines of the RABO paper (rabo-paper.txt, Table II and
-Fig. 6; SPEC Part 2, "Baselines: Dist-ProtoNet, Dist-MAML, ..., FedAvg without loss tuning").
+"""Shared blocks of the full-model federated baselines of the RABO paper (the RABO paper, Table II and
+Fig. 6: Dist-ProtoNet, Dist-MAML, ..., FedAvg without loss tuning; docs/rabo.md#full-model-baselines).
 
 The paper's distributed baselines are "FedAvg of the meta-learner": every client trains the *full* model
 (no masks, no sub-models) for `local_steps` local updates from the current global parameters, and the
@@ -29,37 +29,13 @@ ProtoNet, which has no head, has nothing to regularise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
-from ciders.config import opt
+from ciders.config.bilevel import FedMetaConfig  # noqa: F401 - the config lives in the config layer
 from ciders.core import aggregate as agg
 from ciders.core.tensors import State
-from ciders.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class FedMetaConfig:
-    local_steps: int = opt(5, "local updates per round on each client (one batch / episode each)")
-    lr: float = opt(0.1, "local (meta-)learning rate of the SGD step on the client")
-    inner_steps: int = opt(1, "Dist-MAML: adaptation steps on the support (0: plain SGD on the query loss)")
-    inner_lr: float = opt(0.5, "Dist-MAML: adaptation learning rate on the support")
-    first_order: bool = opt(False, "Dist-MAML: first-order approximation (no second derivatives, FOMAML)")
-
-    def validate(self) -> "FedMetaConfig":
-        if not isinstance(self.local_steps, int) or isinstance(self.local_steps, bool) or self.local_steps < 1:
-            raise ConfigError(f"fedmeta.local_steps: must be an integer >= 1, got {self.local_steps!r}")
-        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 0:
-            raise ConfigError(f"fedmeta.inner_steps: must be an integer >= 0, got {self.inner_steps!r}")
-        for k in ("lr", "inner_lr"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"fedmeta.{k}: must be a number > 0, got {v!r}")
-        if not isinstance(self.first_order, bool):
-            raise ConfigError(f"fedmeta.first_order: must be true or false, got {self.first_order!r}")
-        return self
 
 
 def server_mean(global_params: Mapping[str, torch.Tensor], client_params: Sequence[Mapping[str, torch.Tensor]],

@@ -1,5 +1,5 @@
-"""RABO and RAFBO: resource-adaptive distributed bilevel optimization (rabo-paper.txt, Algorithm 1;
-SPEC Part 2). FedMBO is the same method with every mask full.
+"""RABO and RAFBO: resource-adaptive distributed bilevel optimization (the RABO paper, Algorithm 1;
+docs/rabo.md#the-equations). FedMBO is the same method with every mask full.
 
   min_x (1/n) sum_i f_i(x (.) m_x^i, y*(x) (.) m_y^i),  y*(x) = argmin_y (1/n) sum_i g_i(x (.) m_x^i, y (.) m_y^i)
 
@@ -25,45 +25,10 @@ import torch
 from ciders.core import aggregate as agg
 from ciders.core import hypergrad as hg
 from ciders.core import masks as mk
-from ciders.config import opt
+from ciders.config.bilevel import RaboConfig  # noqa: F401 - the config lives in the config layer
 from ciders.core.tensors import State, clone, lincomb
-from ciders.errors import ConfigError
 
 BiLoss = Callable[[State, State, object], torch.Tensor]  # (x, y, batch) -> scalar
-
-
-@dataclass(frozen=True)
-class RaboConfig:
-    method: str = opt("rabo", "rabo | rafbo (second-order free) | fedmbo (every mask full)")
-    mask_rule: str = opt("importance", "sub-model extraction: importance | static (HeteroFL) | rolling (FedRolex) | "
-                                       "magnitude (FIARSE) | oap (coverage-aware, after Zhou et al.) | full")
-    mask_target: str = opt("both", "both | y (hyperparameter tasks: every client needs all of x)")
-    mask_norm: str = opt("l1", "importance score of a unit: l1 | l2 norm of its weights")
-    keep_full: tuple[str, ...] = opt((), "layers never pruned (e.g. head: outputs are the classes)")
-    inner_steps: int = opt(5, "T: local inner steps on y per round")
-    beta: float = opt(0.1, "inner learning rate")
-    alpha: float = opt(0.05, "outer learning rate")
-    solver: str = opt("cg", "[grad^2_yy g]^{-1} grad_y f by cg | neumann (RAFBO: on finite-difference products)")
-    solver_iters: int = opt(10, "CG iterations / Neumann terms")
-    neumann_eta: float = opt(0.05, "Neumann step (< 2 / lambda_max of the inner Hessian)")
-    fd_delta: float = opt(1e-3, "RAFBO finite-difference step (mu)")
-    coordinates: bool = opt(False, "RAFBO: the coordinate-wise Jacobian estimator (low-dimensional x)")
-
-    def validate(self) -> "RaboConfig":
-        checks = {"method": ("rabo", "rafbo", "fedmbo"), "mask_rule": mk.RULES, "mask_target": ("both", "y"),
-                  "mask_norm": ("l1", "l2"), "solver": ("cg", "neumann")}
-        for k, allowed in checks.items():
-            if getattr(self, k) not in allowed:
-                raise ConfigError(f"rabo.{k}: must be one of {', '.join(allowed)}, got {getattr(self, k)!r}")
-        for k in ("inner_steps", "solver_iters"):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"rabo.{k}: must be >= 1, got {getattr(self, k)}")
-        for k in ("beta", "alpha", "neumann_eta", "fd_delta"):
-            if getattr(self, k) <= 0:
-                raise ConfigError(f"rabo.{k}: must be > 0, got {getattr(self, k)}")
-        if self.coordinates and self.method != "rafbo":
-            raise ConfigError("rabo.coordinates: the coordinate-wise estimator is RAFBO's (set rabo.method: rafbo)")
-        return self
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ weights w_i >= 0 (sample counts |D_i|, capacities, or 1 each):
   p_i = w_i / sum_{j in S} w_j                                   (`normalise`, `client_weights`)
   mean = sum_{i in S} p_i theta_i                                (`weighted_sum` with p, `weighted_mean` with w)
 
-Per-coordinate masked mean (RABO / RAFBO, SPEC 2): client i holds coordinate k of the state when its mask
-m_i^k = 1; with the covering count C^k = sum_i m_i^k and N^k = {i : m_i^k = 1},
+Per-coordinate masked mean (RABO / RAFBO; docs/rabo.md#per-coordinate-aggregation-and-covering-numbers): client i
+holds coordinate k of the state when its mask m_i^k = 1; with the covering count C^k = sum_i m_i^k and N^k = {i : m_i^k
+= 1},
 
   mean^k = (1 / C^k) sum_{i in N^k} v_i^k   where C^k > 0, else 0  (`masked_mean`)
   s^k   <- s^k - lr mean^k                  (C^k = 0: s^k unchanged) (`masked_step`)

@@ -1,4 +1,4 @@
-"""Consensus variates and aggregation of CIDERS (SPEC 1.3-1.4, Eqs. 8-12).
+"""Consensus variates and aggregation of CIDERS (Eqs. 8-12; docs/method.md#eq-8-the-displacement-delta_i).
 
 Client, after K local steps from w = w_PM^(t):
   Delta_i   = (w - x_K) / (K * eta_bar)                                  (Eq. 8)
@@ -6,9 +6,10 @@ Client, after K local steps from w = w_PM^(t):
   dc_i      = c_i' - c_i                                                 (Eq. 10)
 Server, from its synchronized copy of c_i:
   Delta_i   = dc_i / alpha - (gamma - 1) c_i + gamma c                   (Eq. 11)
-  w'        = w - tau K eta_bar sum_i p_i Delta_i                        (Eq. 12; SPEC decision: not Alg. 2 line 6)
+  w'        = w - tau K eta_bar sum_i p_i Delta_i                        (Eq. 12; our decision: not Alg. 2 line 6)
   c'        = (1 - alpha) c + alpha sum_i p_i Delta_i                    (Eq. 12)
 The weights p_i and the mean sum_i p_i Delta_i are `ciders.core.aggregate` (client_weights, weighted_sum).
+Eq. 12 rather than Alg. 2 line 6, and why: docs/method.md#eq-12-server-aggregation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Geometric diagnostics of the consensus correction (SPEC 1.5, paper Sec. V-B and VI-D).
+"""Geometric diagnostics of the consensus correction (paper Sec. V-B and VI-D;
+docs/method.md#geometry-of-the-trajectory).
 
 Theory (Prop. 2, Eqs. 20-24, 27-29), for client i with local meta-gradient g_i and global G:
   delta_i = g_i - G,  u_i = g_i + gamma (c - c_i),  r_i = u_i - G = delta_i + gamma (c - c_i)
@@ -17,7 +18,8 @@ from ciders.core.tensors import State, dot, lincomb, norm, sub
 
 
 def psi(t: int, gamma: float, alpha: float, k: int = 1, eta: float = 0.0, eps_prox: float = 0.0) -> float:
-    """psi_t of SPEC 1.5 (closed form without proximal damping, recurrence with it)."""
+    """psi_t of Prop. 2 (closed form without proximal damping, recurrence with it;
+    docs/method.md#prop-2-psi_t-dr-and-ppr)."""
     sigma = sigma_k(k, eta, eps_prox)
     if sigma == 1.0:
         return (1 - gamma) + gamma * (1 - alpha) ** t

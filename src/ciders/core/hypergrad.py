@@ -1,14 +1,14 @@
-"""Hypergradients of a bilevel problem (SPEC 2, outer phase), over named tensor dicts.
+"""Hypergradients of a bilevel problem (docs/rabo.md#outer-phase-the-hypergradient-rabo), over named tensor dicts.
 
   min_x f(x, y*(x)),   y*(x) = argmin_y g(x, y)
   grad Phi(x) = grad_x f - grad^2_xy g [grad^2_yy g]^{-1} grad_y f          (implicit differentiation)
 
 RABO: v = [grad^2_yy g]^{-1} grad_y f by conjugate gradient or a Neumann series, using Hessian-vector
 products (double backward); the cross term grad^2_xy g v = d/dx <grad_y g(x, y), v>.
-RAFBO: every second-order product by finite differences of first-order gradients (SPEC 2: "second-order
-free"), in the paper's forward form: H_yy v ~ (grad_y g(x, y + d v) - grad_y g(x, y)) / d, and
-grad^2_xy g v ~ (grad_x g(x, y + d v) - grad_x g(x, y)) / d; for low-dimensional x the coordinate
-estimator J(x, e_p) = (grad_y g(x + mu e_p, y) - grad_y g(x, y)) / mu gives the cross term coordinate by
+RAFBO: every second-order product by finite differences of first-order gradients ("second-order
+free", docs/rabo.md#rafbo-finite-difference-products), in the paper's forward form: H_yy v ~ (grad_y g(x, y + d v) -
+grad_y g(x, y)) / d, and grad^2_xy g v ~ (grad_x g(x, y + d v) - grad_x g(x, y)) / d; for low-dimensional x the
+coordinate estimator J(x, e_p) = (grad_y g(x + mu e_p, y) - grad_y g(x, y)) / mu gives the cross term coordinate by
 coordinate: (grad^2_xy g v)_p = <J(x, e_p), v>. On a quadratic g every forward difference is exact up to
 rounding (the gradients are affine), which the tests use.
 

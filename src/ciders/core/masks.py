@@ -1,11 +1,12 @@
-"""Structured sub-model masks and per-coordinate aggregation (SPEC 2; RABO / RAFBO and its baselines).
+"""Structured sub-model masks and per-coordinate aggregation (RABO / RAFBO and its baselines;
+docs/rabo.md#sub-model-masks).
 
 A mask keeps whole output units of a layer: rows of a Linear weight [out, in] (neurons), output channels
 of a conv weight [out, in, kh, kw], and the matching entries of the layer's 1-D parameters (bias,
 normalisation scale / shift). Parameters are grouped into layers by module prefix (`a.b.weight` and
 `a.b.bias` share `a.b`), or by an explicit `groups` map (e.g. a BatchNorm following its conv). A layer
 keeps k = max(1, round(R * out)) units. Extraction rules:
-  importance  the k units with the largest L1 (or L2) norm of the current global weights (RABO, SPEC 2)
+  importance  the k units with the largest L1 (or L2) norm of the current global weights (RABO)
   static      the first k units: a fixed leading sub-model (HeteroFL, Diao et al., ICLR 2021)
   rolling     a window of k units starting at unit (round mod out), wrapping (FedRolex, Alam et al.,
               NeurIPS 2022)

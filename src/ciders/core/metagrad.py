@@ -1,4 +1,4 @@
-"""Personalized meta-gradients of CIDERS (SPEC 1.3 steps 1-2, Eqs. 5-7).
+"""Personalized meta-gradients of CIDERS (Eqs. 5-7; docs/method.md#eqs-5-6-look-ahead-and-first-order-meta-gradient).
 
 `grad_fn(x) -> (loss, grad)` evaluates the client loss on one fixed mini-batch. All evaluations of one
 step must see the same randomness (dropout), which the caller's grad_fn guarantees.
@@ -48,5 +48,5 @@ def metagrad(grad_fn: GradFn, x: State, eta_in: float, kind: str = "fo", eps_fd:
 
 
 def fd_class(r: float) -> str:
-    """SPEC 1.3: small <= 0.1 < moderate <= 0.2 < large."""
+    """small <= 0.1 < moderate <= 0.2 < large (docs/method.md#eq-7-finite-difference-meta-gradient-fd)."""
     return "small" if r <= 0.1 else ("moderate" if r <= 0.2 else "large")

@@ -1,4 +1,4 @@
-"""Learning-rate and consensus-coefficient schedules (SPEC 1.3, 1.4)."""
+"""Learning-rate and consensus-coefficient schedules (docs/method.md#schedules)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A client's sub-model on the wire (SPEC 2: "only the masked coordinates travel").
+"""A client's sub-model on the wire (only the masked coordinates travel:
+docs/rabo.md#per-coordinate-aggregation-and-covering-numbers).
 
 Downlink (`pack` / `unpack`): the receiver does not know the mask, so each tensor travels as its kept
 entries (1-D, in row-major order) plus where they sit: `name@rows`, the kept output units (int32, dim 0)

@@ -1,6 +1,6 @@
-"""GSM8K exact match (SPEC 1.6, Protocol A): greedy generation with a stop rule, the final number
-extracted as in the GSM8K convention (`#### answer`, commas stripped; otherwise the last number in
-the text), compared numerically."""
+"""GSM8K exact match (Protocol A; docs/method.md#experiments-and-metrics): greedy generation with a stop rule, the
+final number extracted as in the GSM8K convention (`#### answer`, commas stripped; otherwise the last number in the
+text), compared numerically."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""HumanEval-X pass@k (SPEC 1.6, Protocol A): assemble each completion with the benchmark's own test
-harness as CodeGeeX does, compile and run it in the sandbox, and estimate pass@k without bias.
+"""HumanEval-X pass@k (Protocol A; docs/method.md#experiments-and-metrics): assemble each completion with the
+benchmark's own test harness as CodeGeeX does, compile and run it in the sandbox, and estimate pass@k without bias.
 
   python : prompt + completion + "\\n" + test            (the test ends with check(<entry point>))
   java   : prompt + completion + "\\n" + test  in Main.java (class Solution + public class Main), javac, java

@@ -1,6 +1,6 @@
-"""Protocol B response-NLL matrix (SPEC 1.6): every source messenger on every target domain's held-out
-set, L_ij = corpus NLL per response token of AdapEmu with messenger i on domain j, and
-Delta_cross = mean_{i != j} L_ij - mean_i L_ii."""
+"""Protocol B response-NLL matrix (docs/method.md#experiments-and-metrics): every source messenger on every target
+domain's held-out set, L_ij = corpus NLL per response token of AdapEmu with messenger i on domain j, and Delta_cross =
+mean_{i != j} L_ij - mean_i L_ii."""
 
 from __future__ import annotations
 

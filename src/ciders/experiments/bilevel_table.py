@@ -29,7 +29,7 @@ def _metric(final: dict) -> tuple[float, float]:
 def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, list[str]]], out: str | Path,
               engine: str = "local", log: Callable[[str], None] = print) -> dict:
     from ciders.config import dump_yaml
-    from ciders.config_bilevel import BilevelExperiment
+    from ciders.config.bilevel import BilevelExperiment
     from ciders.experiments.bilevel import run_experiment
     from ciders.federation.bilevel_rounds import method_config
     from ciders.experiments.sweep import points

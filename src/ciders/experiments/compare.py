@@ -1,5 +1,5 @@
 """`ciders compare CONFIG --algorithms ... --seeds ...`: every method on the same partitions and
-evaluations, one comparison table (SPEC 1.6; the paper's Table III shape).
+evaluations, one comparison table (docs/method.md#experiments-and-metrics; the paper's Table III shape).
 
 Runs go to OUT/<method>/seed<s>, each a normal run directory (`ciders report`, `ciders eval` and
 `--resume` work on it). For one seed, every method sees the same data split and partition: both are

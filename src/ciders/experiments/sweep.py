@@ -1,6 +1,6 @@
 """`ciders sweep CONFIG --grid KEY=v1,v2 [--grid ...] --algorithms ... --seeds ...`: a comparison at
-every point of a grid of config values (SPEC 1.6): the compression sweep (messenger depth x drop
-ratio; Table V shape: response NLL and stored FP32 LoRA MiB per method) and the Output-KL ablation
+every point of a grid of config values (docs/method.md#experiments-and-metrics): the compression sweep (messenger
+depth x drop ratio; Table V shape: response NLL and stored FP32 LoRA MiB per method) and the Output-KL ablation
 (takd.lambda_out = 0 vs 0.5; Fig. 2 / Table IV shape). Each point is a `ciders compare` directory
 OUT/<key=value,...>/, so finished points are reused and interrupted ones resumed.
 """

@@ -1,4 +1,5 @@
-"""`ciders theory`: SPEC 1.5 / Prop. 2 on synthetic clients, through the real client and server updates.
+"""`ciders theory`: Prop. 2 on synthetic clients, through the real client and server updates
+(docs/method.md#prop-2-psi_t-dr-and-ppr).
 
 Clients have linear losses <a_i, x> (constant gradients: the theory holds for any K and eps_prox) or
 quadratics 0.5 (x - b_i)^T A (x - b_i) sharing one Hessian A (exact for K = 1). The run uses SGD at a

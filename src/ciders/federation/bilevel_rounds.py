@@ -1,6 +1,6 @@
-"""One bilevel-family round as messages (SPEC 2), shared by the in-process loop (`federation.bilevel_loop`) and the
-Flower engine (`transports.flower.bilevel`): both move the same bytes through the same functions, so they give
-the same numbers.
+"""One bilevel-family round as messages (docs/rabo.md#one-round), shared by the in-process loop
+(`federation.bilevel_loop`) and the Flower engine (`transports.flower.bilevel`): both move the same bytes through the
+same functions, so they give the same numbers.
 
 A method is a sequence of phases; each phase is one message to each client and one reply:
   rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
@@ -23,36 +23,20 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import replace
 from typing import Callable, MutableMapping
 
 import torch
 
 from ciders.algorithms import rabo as rb
-from ciders.algorithms.bilevel import BILEVEL, FULL, METHODS
+from ciders.algorithms.registry import bilevel_config, get
 from ciders.core import masks as mk
 from ciders.core import submodel as sm
 from ciders.core.wire import PayloadError, decode, encode
 from ciders.federation.exchange import client_id, client_index
 
-def phases_of(method: str) -> tuple[str, ...]:
-    return ("local",) if method in FULL else ("inner", "outer")
-
-
 def method_config(exp, method: str):
-    """The experiment with `method` as what it runs (FedMBO: every mask full; Static / FedRolex / FIARSE
-    / OAP: RABO with that extraction rule; the full-model baselines their own client step)."""
-    from ciders.errors import ConfigError
-
-    if method not in METHODS:
-        raise ConfigError(f"unknown bilevel method {method!r}; choose from {', '.join(METHODS)}")
-    if method in FULL:
-        if FULL[method][1] != exp.task.kind:
-            raise ConfigError(f"{method} is a baseline of the {FULL[method][1]} task, not of {exp.task.kind}")
-        return replace(exp, method=method).validate()
-    algo, rule = BILEVEL[method]
-    return replace(exp, method=method, rabo=replace(exp.rabo, method=algo, mask_rule=rule or exp.rabo.mask_rule)
-                   ).validate()
+    """The experiment with `method` as what it runs (`algorithms.registry.bilevel_config`)."""
+    return bilevel_config(exp, method)
 
 
 class _Counter:
@@ -99,7 +83,8 @@ class BilevelServer:
         self.state = rb.init_state(x0, y0)
         self.caps = task.clients()
         self.method = exp.method
-        self.phases = phases_of(self.method)
+        self.spec = get(exp.method, "bilevel")
+        self.phases = self.spec.phases
         self.masks: list[rb.ClientMasks] = []
         self.mid: rb.BilevelState | None = None
         self.stats: dict = {}
@@ -111,7 +96,7 @@ class BilevelServer:
     def begin(self, q: int) -> None:
         if self.state.round != q:
             raise ValueError(f"the server is at round {self.state.round}, asked to begin round {q}")
-        if self.method in FULL:
+        if self.spec.local_update is not None:
             masks = [rb.ClientMasks(_ones(self.state.x), _ones(self.state.y), 1.0) for _ in self.caps]
         else:
             masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
@@ -238,17 +223,14 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         f, g = _Counter(task.f), _Counter(task.g)
         h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(ci, q))
         up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
-    elif phase == "local" and exp.method in FULL:
-        import importlib
-
+    elif phase == "local" and (spec := get(exp.method, "bilevel")).local_update is not None:
         from ciders.core.wire import check
 
         if set(comps) != {"x", "y"}:
             raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
         check(comps["x"], x0, "x")
         check(comps["y"], y0, "y")
-        algo = importlib.import_module(FULL[exp.method][0])
-        xn, yn, info = algo.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
+        xn, yn, info = spec.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
                                          {k: comps["y"][k].to(v.device) for k, v in y0.items()}, ci, q)
         up = encode({"x": xn, "y": yn}, {"round": q, "client": i, "phase": phase})[0]
         calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[ci])

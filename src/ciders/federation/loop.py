@@ -39,8 +39,6 @@ from tqdm.auto import tqdm
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig
-from ciders.core.store import RoundStore
-from ciders.errors import CidersError
 from ciders.federation.exchange import Exchange, Reply
 from ciders.federation.inprocess import Faults, InProcess, SimulatedCrash
 from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clients, summarize
@@ -48,7 +46,7 @@ from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clie
 
 # the run directory lives in federation.rundir; these names stay importable from here
 __all__ = ["MIB", "Faults", "RunDir", "RoundServer", "SimulatedCrash", "Task", "check_same_config",
-           "load_personalized", "run_federation", "run_rounds", "sample_clients", "summarize"]
+           "run_federation", "run_rounds", "sample_clients", "summarize"]
 
 class Task(Protocol):  # see the module docstring
     def clients(self) -> dict[str, int]: ...
@@ -146,20 +144,3 @@ def _nan_upload(upmsg: bytes, ref: dict) -> bytes:
     up = alg.decode_upload(upmsg, ref)
     return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version, up.n_examples,
                                         {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))[0]
-
-
-def load_personalized(run: str | Path, client: str, d) -> dict:
-    """A client's personalized messenger (x_K of its last participation) from a run's client store."""
-    from ciders.models.adapters import check_state
-
-    run = Path(run)
-    committed = RunDir(run).committed()
-    store = run / "clients"
-    rec = RoundStore(store, committed if committed is not None else -1).get(client) if store.is_dir() else None
-    st = alg.client_from_record(*rec) if rec else None
-    if st is None or st.personalized is None:
-        where = " (a Flower run keeps client state on the nodes: evaluate there, or export it from the node's state-dir)" \
-            if not store.is_dir() else " (never trained in this run)"
-        raise CidersError(f"{run}: client {client!r} has no personalized messenger{where}")
-    check_state(d.messenger_params(), st.personalized, f"client {client}")
-    return {k: v.to(d.device) for k, v in st.personalized.items()}

@@ -21,7 +21,6 @@ messenger as wire bytes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,14 +28,14 @@ import torch
 
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
-from ciders.config import ExperimentConfig, dump_yaml
+from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
 from ciders.core.wire import PayloadError
 from ciders.federation.exchange import Reply
 from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
 from ciders.errors import CidersError
-from ciders.fileio import append_jsonl, write_json, write_text
+from ciders.fileio import append_jsonl, write_json
 
 
 class Coordinator:

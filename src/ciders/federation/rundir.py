@@ -13,7 +13,7 @@ import torch
 from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
 from ciders.errors import CidersError
 from ciders.fileio import atomic_dir, read_jsonl, write_json, write_text
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 
 MIB = 2**20
 
@@ -21,7 +21,7 @@ MIB = 2**20
 def sample_clients(ids: list[str], m: int | None, seed: int, t: int) -> list[str]:
     if m is None or m >= len(ids):
         return list(ids)
-    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(derived_seed(seed, t, 101)))
+    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(derive_seed(seed, "client-sampling", t)))
     return [ids[i] for i in sorted(perm[:m].tolist())]
 
 
@@ -40,6 +40,14 @@ class RunDir:
             return int(json.loads(p.read_text())["round"])
         except (ValueError, KeyError, TypeError) as exc:
             raise CidersError(f"{p} is unreadable ({exc}); the run directory is damaged") from exc
+
+    def refuse_unless(self, resume: bool) -> int | None:
+        """The last committed round; an error if there is one and `resume` is not set."""
+        committed = self.committed()
+        if committed is not None and not resume:
+            raise CidersError(f"{self.root} already holds a run (round {committed} committed); pass --resume to "
+                              "continue it or choose another --out")
+        return committed
 
     def save_checkpoint(self, t: int, tensors: dict, meta: dict, keep: int) -> None:
         from safetensors.torch import save_file
@@ -73,10 +81,7 @@ def start_run(run: RunDir, cfg, resume: bool, log=print) -> int | None:
     otherwise the run starts afresh (its config.yaml written, earlier metrics removed). Returns the last
     committed round, or None for a fresh run."""
     run.root.mkdir(parents=True, exist_ok=True)
-    committed = run.committed()
-    if committed is not None and not resume:
-        raise CidersError(f"{run.root} already holds a run (round {committed} committed); pass --resume to "
-                          "continue it or choose another --out")
+    committed = run.refuse_unless(resume)
     if committed is not None:
         check_same_config(run, cfg)
         run.truncate_metrics(committed)  # records of the round the checkpoint does not hold

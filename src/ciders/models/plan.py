@@ -1,7 +1,7 @@
 """`ciders plan`: the decomposition and its sizes from a model config alone (meta device, no weights).
 
-Reproduces SPEC 1.1 / Table II: LoRA on a Linear(in, out) has r*(in+out) parameters in 2 tensors;
-the consensus state c (and c_i, dc_i) has the messenger LoRA's shape, in FP32.
+Reproduces Table II (docs/method.md#algorithm-1-model-decomposition-modelprep): LoRA on a Linear(in, out) has
+r*(in+out) parameters in 2 tensors; the consensus state c (and c_i, dc_i) has the messenger LoRA's shape, in FP32.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Layer split of Algorithm 1 (SPEC 1.1), from layer counts alone (no weights).
+"""Layer split of Algorithm 1, from layer counts alone (no weights):
+docs/method.md#algorithm-1-model-decomposition-modelprep.
 
 Messenger P_M = top `a` layers (n-a .. n-1); full backbone B_F = layers 0 .. n-a-1;
 learnable backbone B_L = n' layers of B_F at floor(j*(n-a-1)/(n'-1)), j = 0..n'-1.
@@ -40,7 +41,8 @@ class Split:
 
 
 def student_count(n_teacher: int, beta: float, rounding: str = "round") -> int:
-    """n' = round(beta * (n - a)) (half up; SPEC decision) or floor(...) (Algorithm 1 literally)."""
+    """n' = round(beta * (n - a)) (half up; our decision, docs/method.md#algorithm-1-model-decomposition-modelprep) or
+    floor(...) (Algorithm 1 literally)."""
     x = beta * n_teacher
     if rounding == "round":
         return int(math.floor(x + 0.5 + _EPS))
@@ -67,8 +69,8 @@ def split_layers(
     student_layers: int | None = None,
     rounding: str = "round",
 ) -> Split:
-    """The SPEC 1.1 split. Give at most one of beta, drop_ratio (= 1 - beta), student_layers;
-    with none, drop_ratio 0.2 (the paper's setting)."""
+    """The split of Algorithm 1 (docs/method.md#algorithm-1-model-decomposition-modelprep). Give at most one of beta,
+    drop_ratio (= 1 - beta), student_layers; with none, drop_ratio 0.2 (the paper's setting)."""
     a = messenger_layers
     if not isinstance(a, int) or a < 1:
         raise ConfigError(f"messenger_layers: must be an integer >= 1, got {a!r}")

@@ -1,6 +1,7 @@
-"""Per client-round diagnostics of a run (SPEC 1.5, paper Sec. VI-D / Protocol C), read back from
-metrics.jsonl: the five scalar statistics, the theoretical psi_t / psi_inf for the run's hyperparameters
-beside the measured S-DR / S-PPR, FD correction shares, and the PCA of the five statistics."""
+"""Per client-round diagnostics of a run (paper Sec. VI-D / Protocol C;
+docs/method.md#empirical-readouts-e-rae-s-dr-s-ppr), read back from metrics.jsonl: the five scalar statistics, the
+theoretical psi_t / psi_inf for the run's hyperparameters beside the measured S-DR / S-PPR, FD correction shares, and
+the PCA of the five statistics."""
 
 from __future__ import annotations
 
@@ -29,9 +30,7 @@ class Run:
 
     @property
     def method(self) -> str:
-        from ciders.algorithms import method_name
-
-        return method_name(self.cfg)
+        return self.cfg.algorithm.method
 
     def events(self, kind: str) -> list[dict]:
         return [r for r in self.rows if r["event"] == kind]
@@ -51,8 +50,9 @@ def client_rounds(run: Run) -> list[dict]:
 
 
 def psi_reference(run: Run) -> list[dict]:
-    """Per round: gamma_t and the idealised psi_t (SPEC 1.5, Eqs. 27-29, with the run's alpha, K, eta,
-    eps_prox; a gamma schedule is evaluated at each round's gamma_t) with DR_ref = 1 - psi_t, PPR_ref = psi_t."""
+    """Per round: gamma_t and the idealised psi_t (Eqs. 27-29, docs/method.md#eqs-27-29-proximal-damping; with the
+    run's alpha, K, eta, eps_prox; a gamma schedule is evaluated at each round's gamma_t) with DR_ref = 1 - psi_t,
+    PPR_ref = psi_t."""
     a = run.cfg.algorithm
     out = []
     for t in range(run.cfg.federation.rounds):
@@ -81,7 +81,7 @@ def round_means(run: Run, keys=("loss",) + PCA_STATS) -> list[dict]:
 
 def fd_shares(run: Run) -> dict | None:
     """Share of steps with small / moderate / large r_FD, and rounds with >= 1 moderate-or-large
-    event (SPEC 1.3 thresholds 0.1 / 0.2). None for first-order runs."""
+    event (thresholds 0.1 / 0.2: docs/method.md#eq-7-finite-difference-meta-gradient-fd). None for first-order runs."""
     steps = [(r["round"], s["r_fd"]) for r in run.events("client") for s in r.get("steps", []) if "r_fd" in s]
     if not steps:
         return None

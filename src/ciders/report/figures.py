@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 DPI = 110
-# the SPEC 1.3 r_FD class boundaries (ciders.core.metagrad.fd_class) drawn on the FD profile
+# the r_FD class boundaries (ciders.core.metagrad.fd_class) drawn on the FD profile;
+# docs/method.md#eq-7-finite-difference-meta-gradient-fd
 THRESHOLDS = (0.1, 0.2)
 
 # {method: [one {x: y} per seed]}: the shape every seed-band curve takes

@@ -361,7 +361,7 @@ def run_page(root: Path, page: Page) -> str:
         rows = [[esc(t + 1), num(ref.get(t, {}).get("gamma"))] + [num(m.get(k)) for k in cols]
                 + [num(ref.get(t, {}).get(k)) for k in ("dr_ref", "ppr_ref")] for t, m in means.items()]
         page.add(table(["round", "gamma_t"] + [esc(k) for k in cols] + ["DR_ref", "PPR_ref"], rows))
-        page.add('<p class="note">Means over clients; DR_ref = 1 - psi_t, PPR_ref = psi_t (SPEC 1.5).</p>')
+        page.add('<p class="note">Means over clients; DR_ref = 1 - psi_t, PPR_ref = psi_t (Prop. 2; docs/method.md#prop-2-psi_t-dr-and-ppr).</p>')
     else:
         page.missing("per-round consensus diagnostics (no CIDERS client rounds)")
     config(page, (root / "config.yaml").read_text(), "config.yaml")

@@ -1,6 +1,6 @@
 """The data of one federated experiment: disjoint public (server TAKD), client and evaluation parts,
 the client partition, and each client's held-out share, as tokenized features, plus a record of the
-split for the run directory (SPEC 1.6).
+split for the run directory (docs/method.md#experiments-and-metrics).
 
 data.task = custom: explicit files (public / eval / clients or one file per client).
 data.task = a named task (gsm8k, dolly, code, domains, math): the task's pool split by seed into public,

@@ -1,4 +1,4 @@
-"""Loss tuning on a long-tailed training set (rabo-paper.txt Sec. V; SPEC 2, task 2).
+"""Loss tuning on a long-tailed training set (the RABO paper, Sec. V; docs/rabo.md#task-2-loss-tuning-with-the-vs-loss).
 
 Data: CIFAR-10 JPEGs from `$CIDERS_DATA/cifar10` (a 500-per-class train subset and the full test set;
 see its SOURCE.md: re-encoded JPEGs, no formal licence, cite Krizhevsky 2009). The long-tailed training

@@ -1,4 +1,5 @@
-"""Omniglot for the few-shot hyper-representation task (rabo-paper.txt Sec. V; SPEC 2, task 1).
+"""Omniglot for the few-shot hyper-representation task (the RABO paper, Sec. V;
+docs/rabo.md#task-1-few-shot-hyper-representation).
 
 Reads the upstream zips directly (`$CIDERS_DATA/omniglot`: images_background_small1/2.zip, all_runs.zip;
 MIT, Lake et al., Science 2015). Images are 105x105 binary strokes on white; we invert them (ink = 1) and

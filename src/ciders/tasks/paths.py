@@ -1,6 +1,6 @@
-"""Where data files are: `${CIDERS_DATA}` in a path expands to the shared datasets directory
-(environment variable CIDERS_DATA, default ../shared/data); relative paths are relative to the
-current directory."""
+"""Where data files are: `${CIDERS_DATA}` in a path expands to the datasets directory (environment
+variable CIDERS_DATA; default `data`, the repository's own slices, when run from a checkout); relative
+paths are relative to the current directory."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ciders.errors import CidersError
 
 
 def data_root() -> Path:
-    return Path(os.environ.get("CIDERS_DATA") or "../shared/data")
+    return Path(os.environ.get("CIDERS_DATA") or "data")
 
 
 def resolve(path: str) -> Path:

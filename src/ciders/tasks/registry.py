@@ -1,6 +1,6 @@
-"""Task definitions (SPEC 1.6): where each dataset comes from, its record format, its label column
-(for natural and Dirichlet partitions), how it splits into disjoint public / client / evaluation
-parts, and which metrics apply.
+"""Task definitions (docs/method.md#experiments-and-metrics): where each dataset comes from, its record format, its
+label column (for natural and Dirichlet partitions), how it splits into disjoint public / client / evaluation parts, and
+which metrics apply.
 
 Data loads from a local file (the shared datasets under $CIDERS_DATA, or any jsonl / jsonl.gz /
 parquet of the user's) and, for users with internet, from the Hugging Face hub through `datasets`.

@@ -1,7 +1,7 @@
 """Prompt/response text data for causal-LM training and evaluation.
 
 Records become (prompt, response) pairs; tokenization masks the prompt out of the labels so that the
-loss and the perplexity count response tokens only (SPEC 1.3 "Losses"). Malformed records are
+loss and the perplexity count response tokens only (docs/method.md#the-client-loss-l_i). Malformed records are
 counted by reason and reported, never silently dropped. The task layer of a later issue builds on
 these functions (formats, splits, partitions).
 """

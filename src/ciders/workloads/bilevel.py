@@ -1,11 +1,12 @@
-"""Bilevel tasks for `federation.bilevel_loop` (SPEC 2): few-shot hyper-representation on Omniglot and loss tuning
-on long-tailed CIFAR-10; `build(cfg)` makes one from a BilevelExperiment config."""
+"""Bilevel tasks for `federation.bilevel_loop` (docs/rabo.md#tasks): few-shot hyper-representation on Omniglot and
+loss tuning on long-tailed CIFAR-10; `build(cfg)` makes one from a BilevelExperiment config."""
 
 from __future__ import annotations
 
 import torch
 
 from ciders.core.hypergrad import grads
+from ciders.runtime import derive_seed
 
 
 def resnet12_widths(w: int) -> tuple[int, int, int, int]:
@@ -24,10 +25,10 @@ def _episode_to(ep, device: torch.device):
 
 
 class FewShotTask:
-    """Few-shot hyper-representation (SPEC 2, task 1): x = the backbone's features (`backbone`: conv4 of
-    `width` channels, or resnet12 of widths (w, round(2.5 w), 5 w, 10 w), the paper's (64, 160, 320, 640)
-    at width 64), y = a linear head; the inner loss is support cross-entropy + (reg / 2)|y|^2 (strongly
-    convex in y), the outer one query cross-entropy. Clients hold shards of characters (disjoint, or
+    """Few-shot hyper-representation (docs/rabo.md#task-1-few-shot-hyper-representation): x = the backbone's features
+    (`backbone`: conv4 of `width` channels, or resnet12 of widths (w, round(2.5 w), 5 w, 10 w), the paper's (64, 160,
+    320, 640) at width 64), y = a linear head; the inner loss is support cross-entropy + (reg / 2)|y|^2 (strongly convex
+    in y), the outer one query cross-entropy. Clients hold shards of characters (disjoint, or
     `shard_size` drawn each, overlapping);
     evaluation fits a fresh head on each held-out episode's support (`eval_steps` gradient steps) and
     reports query accuracy with a 95% CI."""
@@ -66,9 +67,9 @@ class FewShotTask:
         from ciders.models import vision as vz
 
         if self.backbone == "resnet12":
-            x = vz.resnet12_init(widths=self.widths, seed=self.seed)
+            x = vz.resnet12_init(widths=self.widths, seed=derive_seed(self.seed, "bilevel-init"))
         else:
-            x = vz.conv4_init(width=self.width, seed=self.seed)
+            x = vz.conv4_init(width=self.width, seed=derive_seed(self.seed, "bilevel-init"))
         return _to(x, self.device), _to(vz.linear_init(self.n_way, self.widths[-1]), self.device)
 
     def groups(self) -> dict:
@@ -86,7 +87,7 @@ class FewShotTask:
         if self._round != q:
             self._episodes, self._round = {}, q
         if i not in self._episodes:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + q * 1009 + i)
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, "bilevel-episodes", q, i))
             ep = self.om.episode(self.pool, self.shards[i], self.n_way, self.k_shot, self.q_query, gen)
             self._episodes[i] = _episode_to(ep, self.device)
         return self._episodes[i]
@@ -129,7 +130,7 @@ class FewShotTask:
     def evaluate(self, x, y) -> dict:
         """Accuracy with a 95% CI over `eval_episodes` held-out N-way K-shot episodes, and (when the task has
         them) over the 20 official 20-way one-shot runs of Lake et al."""
-        gen = torch.Generator().manual_seed(self.seed + 7)
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "bilevel-eval"))
         chars = sorted(self.eval_pool)
         accs = [self._score(x, self.om.episode(self.eval_pool, chars, self.n_way, self.k_shot, self.q_query, gen),
                             self.n_way) for _ in range(self.eval_episodes)]
@@ -147,9 +148,9 @@ def _mean_ci(accs: list[float]) -> dict:
 
 
 class LossTuneTask:
-    """Loss tuning (SPEC 2, task 2): x = VS-loss (w, l, Delta) per class, y = a one-hidden-layer classifier
-    on 8x8-average-pooled pixels (48 features; CPU scale). Clients hold an IID split of the long-tailed
-    training set; the outer loss is cross-entropy on a balanced validation set (each client its share);
+    """Loss tuning (docs/rabo.md#task-2-loss-tuning-with-the-vs-loss): x = VS-loss (w, l, Delta) per class, y = a
+    one-hidden-layer classifier on 8x8-average-pooled pixels (48 features; CPU scale). Clients hold an IID split of the
+    long-tailed training set; the outer loss is cross-entropy on a balanced validation set (each client its share);
     evaluation is balanced accuracy on the balanced test set."""
 
     def __init__(self, train, val, test, capacities: list[float], width: int = 32, reg: float = 1e-3, seed: int = 0,
@@ -162,7 +163,7 @@ class LossTuneTask:
         pool = lambda x: F.avg_pool2d(x, 8).flatten(1)  # noqa: E731
         (xt, yt), (xv, yv), (xs, ys) = train, val, test
         n = len(capacities)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(derive_seed(seed, "losstune-split"))
         pt, pv = torch.randperm(len(yt), generator=gen), torch.randperm(len(yv), generator=gen)
         self.train = [(pool(xt[pt[i::n]]).to(dev), yt[pt[i::n]].to(dev)) for i in range(n)]
         self.val = [(pool(xv[pv[i::n]]).to(dev), yv[pv[i::n]].to(dev)) for i in range(n)]
@@ -172,7 +173,7 @@ class LossTuneTask:
         return list(self.caps)
 
     def initial(self):
-        g = torch.Generator().manual_seed(self.seed)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, "bilevel-init"))
         y = {"fc1.weight": torch.randn(self.width, 48, generator=g) * (2 / 48) ** 0.5,
              "fc1.bias": torch.zeros(self.width), "head.weight": torch.randn(10, self.width, generator=g) * 0.1,
              "head.bias": torch.zeros(10)}

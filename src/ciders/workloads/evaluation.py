@@ -1,9 +1,10 @@
-"""Evaluations of a model path (SPEC 1.6), shared by `ciders eval` and the evaluations scheduled in
-`ciders run`: response perplexity, GSM8K exact match, Dolly ROUGE-L (+ PPL), HumanEval-X pass@1 per
+"""Evaluations of a model path (docs/method.md#experiments-and-metrics), shared by `ciders eval` and the evaluations
+scheduled in `ciders run`: response perplexity, GSM8K exact match, Dolly ROUGE-L (+ PPL), HumanEval-X pass@1 per
 language, and the Protocol B response-NLL matrix. Every result carries its example / token counts."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from tqdm.auto import tqdm
@@ -15,7 +16,7 @@ from ciders.eval import gsm8k, humaneval, rouge
 from ciders.eval.generate import generate
 from ciders.eval.metrics import perplexity
 from ciders.eval.nll_matrix import nll_matrix
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 from ciders.tasks.text import batches, to_example, tokenize
 
 EVAL_TASKS = ("ppl", "gsm8k", "rouge_l", "humaneval:python", "humaneval:java", "humaneval:go", "nll_matrix")
@@ -87,7 +88,7 @@ def _dolly_heldout(data, seed: int, n: int) -> list[dict]:
     from ciders.tasks.registry import load_task
 
     recs = load_task("dolly")
-    perm = torch.randperm(len(recs.raw), generator=torch.Generator().manual_seed(derived_seed(seed, 31))).tolist()
+    perm = torch.randperm(len(recs.raw), generator=torch.Generator().manual_seed(derive_seed(seed, "eval-split"))).tolist()
     return [recs.raw[i] for i in perm[:n]]
 
 
@@ -99,7 +100,7 @@ def eval_run(run_dir, tasks: tuple[str, ...] | None = None, path: str = "adapemu
     from pathlib import Path
 
     from ciders.config import load_config
-    from ciders.federation.loop import RunDir, load_personalized
+    from ciders.federation.rundir import RunDir
     from ciders.workloads.prealign import build
     from ciders.fileio import write_json
     from ciders.tasks import federated
@@ -148,3 +149,23 @@ def eval_run(run_dir, tasks: tuple[str, ...] | None = None, path: str = "adapemu
            "tasks": results}
     write_json(run / "eval" / f"{path}-{messenger.replace(':', '_')}.json", out)
     return out
+
+
+def load_personalized(run: str | Path, client: str, d) -> dict:
+    """A client's personalized messenger (x_K of its last participation) from a run's client store."""
+    from ciders.algorithms import ciders as alg
+    from ciders.core.store import RoundStore
+    from ciders.federation.rundir import RunDir
+    from ciders.models.adapters import check_state
+
+    run = Path(run)
+    committed = RunDir(run).committed()
+    store = run / "clients"
+    rec = RoundStore(store, committed if committed is not None else -1).get(client) if store.is_dir() else None
+    st = alg.client_from_record(*rec) if rec else None
+    if st is None or st.personalized is None:
+        where = " (a Flower run keeps client state on the nodes: evaluate there, or export it from the node's state-dir)" \
+            if not store.is_dir() else " (never trained in this run)"
+        raise CidersError(f"{run}: client {client!r} has no personalized messenger{where}")
+    check_state(d.messenger_params(), st.personalized, f"client {client}")
+    return {k: v.to(d.device) for k, v in st.personalized.items()}

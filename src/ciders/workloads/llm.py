@@ -1,5 +1,5 @@
 """The LLM task of CIDERS for the engines: decomposition, public data and TAKD on the server side,
-client data and the messenger loss on the client side, and AdapEmu evaluation (SPEC 1.1-1.4, 1.6).
+client data and the messenger loss on the client side, and AdapEmu evaluation (docs/method.md#algorithm-2-one-round).
 The data (disjoint public / client / evaluation parts and the partition) come from `ciders.tasks.federated`.
 """
 
@@ -17,7 +17,7 @@ from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, 
 from ciders.models.messenger_loss import MessengerLoss
 from ciders.workloads import evaluation
 from ciders.workloads.prealign import build
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 from ciders.tasks import federated
 from ciders.tasks.text import batches as iter_batches
 from ciders.tasks.text import collate
@@ -124,9 +124,9 @@ class LLMTask:
             idx = []
             for g in range(j * bs, (j + 1) * bs):
                 epoch, k = divmod(g, len(feats))
-                perm = torch.randperm(len(feats), generator=torch.Generator().manual_seed(derived_seed(seed, t, ci, epoch)))
+                perm = torch.randperm(len(feats), generator=torch.Generator().manual_seed(derive_seed(seed, "client-batches", t, ci, epoch)))
                 idx.append(int(perm[k]))
-            out.append(self._batch(cid, idx, derived_seed(seed, t, ci, j, 5) % (2**62)))
+            out.append(self._batch(cid, idx, derive_seed(seed, "client-dropout", t, ci, j) % (2**62)))
         return out
 
     def _batch(self, cid: str, idx: list[int], seed: int) -> dict:
@@ -236,7 +236,7 @@ def _mean_tree(trees: list):
 def render(summary: dict) -> str:
     """The demo table: AdapEmu held-out response NLL / PPL before and after, and MiB per direction."""
     before, after = summary["eval_before"], summary["eval_after"] or {}
-    lines = [f"AdapEmu held-out response perplexity (NLL)        before              after"]
+    lines = ["AdapEmu held-out response perplexity (NLL)        before              after"]
 
     def cell(r):
         return f"{r['ppl']:9.3f} ({r['nll']:.3f})" if r else f"{'-':>17}"

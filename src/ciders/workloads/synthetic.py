@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ciders.algorithms.ciders import ServerState
-from ciders.runtime import derived_seed
+from ciders.runtime import derive_seed
 
 
 class VectorTask:
@@ -18,7 +18,7 @@ class VectorTask:
     def _client(self, cid: str):
         # built on demand from (seed, client): no per-client memory until used
         if cid not in self._params:
-            g = torch.Generator().manual_seed(derived_seed(self.seed, self.ids.index(cid)))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic-client", self.ids.index(cid)))
             m = torch.randn(self.dim, self.dim, generator=g, dtype=torch.float64)
             h = m @ m.T / self.dim + 0.5 * torch.eye(self.dim, dtype=torch.float64)
             self._params[cid] = (h, torch.randn(self.dim, generator=g, dtype=torch.float64))
@@ -55,7 +55,7 @@ class VectorTask:
         return lambda p, batch: self.loss(cid, p["x"]) + batch @ p["x"]
 
     def batches(self, cid: str, t: int, n: int, seed: int) -> list:
-        g = torch.Generator().manual_seed(derived_seed(seed, t, self.ids.index(cid), 3))
+        g = torch.Generator().manual_seed(derive_seed(seed, "synthetic-batch", t, self.ids.index(cid)))
         return [torch.randn(self.dim, generator=g, dtype=torch.float64) * self.noise for _ in range(n)]
 
     def after_server(self, t, server, extra):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Callable
 
 from flwr.app import Message
 
@@ -52,7 +51,7 @@ def _task(cfg_text: str):
     key = hashlib.sha256(cfg_text.encode()).hexdigest()
     if key not in _TASKS:
         from ciders.config import loads_config
-        from ciders.config_bilevel import BilevelExperiment
+        from ciders.config.bilevel import BilevelExperiment
 
         exp = loads_config(cfg_text, "the bilevel experiment the server sent", cls=BilevelExperiment)
         _TASKS.clear()  # one experiment per process at a time

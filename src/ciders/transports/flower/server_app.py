@@ -19,18 +19,15 @@ from flwr.serverapp import Grid, ServerApp
 
 
 def _spec_from_run_config(rc: dict) -> dict:
-    from ciders.config import ExperimentConfig, dump_yaml, load_config
-    from ciders.config_bilevel import BilevelExperiment, is_bilevel
+    from ciders.config import dump_yaml, load_experiment
     from ciders.errors import ConfigError
 
     if not rc.get("config") or not rc.get("out"):
         raise ConfigError("the ServerApp needs run config keys config=<experiment.yaml> and out=<run dir> "
                           "(flwr run ... --run-config 'config=\"...\" out=\"...\"')")
     overrides = [s for s in str(rc.get("set", "")).split(";") if s.strip()]
-    path = Path(str(rc["config"]))
-    bilevel = is_bilevel(path)
-    cfg = load_config(path, overrides, cls=BilevelExperiment if bilevel else ExperimentConfig)
-    if bilevel:
+    cfg = load_experiment(Path(str(rc["config"])), overrides)
+    if cfg.family == "bilevel":
         from ciders.federation.bilevel_rounds import method_config
 
         cfg = method_config(cfg, cfg.method)
@@ -41,27 +38,25 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
     """One whole run on `grid` (simulation or deployment): the run's own round loop with a FlowerExchange
     as its transport. Returns the run summary."""
     from ciders import algorithms
-    from ciders.config import dump_yaml, loads_config
-    from ciders.config_bilevel import is_bilevel
+    from ciders.config import dump_yaml, loads_experiment
     from ciders.federation.exchange import client_id
     from ciders.transports.flower.exchange import FlowerExchange
 
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     resume = bool(spec.get("resume", False))
-    if is_bilevel(spec["config_text"]):
-        from ciders.config_bilevel import BilevelExperiment
+    cfg = loads_experiment(spec["config_text"], "the experiment")
+    if cfg.family == "bilevel":
         from ciders.federation.bilevel_loop import run_bilevel
         from ciders.workloads.bilevel import build
 
-        exp = loads_config(spec["config_text"], "the bilevel experiment", cls=BilevelExperiment)
+        exp = cfg
         ids = [client_id(i) for i in range(exp.federation.clients)]
         ex = FlowerExchange(grid, spec["config_text"], ids, exp.flower, "bilevel", log)
         return run_bilevel(exp, build(exp), out, log=log, resume=resume, exchange=ex)
     from ciders.federation.loop import run_federation
     from ciders.workloads.llm import LLMTask
 
-    cfg = loads_config(spec["config_text"])
     task = LLMTask(cfg, out, log=log)
     # the clients get the effective config (a baseline's knobs set)
     ex = FlowerExchange(grid, dump_yaml(algorithms.configure(cfg)), sorted(task.clients()), cfg.flower, "ciders", log)

@@ -1,4 +1,5 @@
-"""The typed config of a RABO-family experiment (SPEC 2): one YAML file, `ciders bilevel CONFIG`.
+"""The typed config of a RABO-family experiment (`family: bilevel`; docs/rabo.md): one YAML file,
+`ciders bilevel CONFIG`.
 
 Sections: task (few-shot Omniglot or loss tuning on long-tailed CIFAR-10), federation (clients, their
 capacities, rounds), rabo (the algorithm: `ciders.algorithms.rabo.RaboConfig`), flower (timeouts and
@@ -9,13 +10,18 @@ CIDERS config: defaults with help, unknown keys rejected, `--set section.key=val
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from ciders.algorithms.bilevel import BILEVEL, METHODS
-from ciders.algorithms.fedmeta import FedMetaConfig
-from ciders.algorithms.rabo import RaboConfig
-from ciders.config import FlowerConfig, opt, section, validate_sections
+from typing import Literal
+
+from ciders.config.base import FlowerConfig, check_choices, opt, section, validate_sections
 from ciders.errors import ConfigError
+
+# The methods a bilevel experiment can run, declared once; `ciders.algorithms.registry` holds what each one is
+# and checks at import that it covers exactly these names.
+BilevelMethod = Literal["rabo", "rafbo", "fedmbo", "static", "fedrolex", "fiarse", "oap", "dist-protonet",
+                        "dist-maml", "fedavg-notune"]
+# sub-model extraction rules (`core.masks.RULES`, checked equal by tests/core/test_masks.py)
+MaskRule = Literal["importance", "static", "rolling", "magnitude", "oap", "full"]
 
 BACKBONES = ("conv4", "resnet12")
 
@@ -75,13 +81,69 @@ class BilevelFederationConfig:
 
 
 @dataclass(frozen=True)
+class RaboConfig:
+    method: Literal["rabo", "rafbo", "fedmbo"] = opt("rabo", "rafbo is second-order free; fedmbo has every mask full")
+    mask_rule: MaskRule = opt("importance", "sub-model extraction: importance, static (HeteroFL), rolling (FedRolex), "
+                                            "magnitude (FIARSE), oap (coverage-aware, after Zhou et al.), full")
+    mask_target: Literal["both", "y"] = opt("both", "y: hyperparameter tasks, where every client needs all of x")
+    mask_norm: Literal["l1", "l2"] = opt("l1", "importance score of a unit: the l1 or l2 norm of its weights")
+    keep_full: tuple[str, ...] = opt((), "layers never pruned (e.g. head: outputs are the classes)")
+    inner_steps: int = opt(5, "T: local inner steps on y per round")
+    beta: float = opt(0.1, "inner learning rate")
+    alpha: float = opt(0.05, "outer learning rate")
+    solver: Literal["cg", "neumann"] = opt("cg", "[grad^2_yy g]^{-1} grad_y f (RAFBO: on finite-difference products)")
+    solver_iters: int = opt(10, "CG iterations / Neumann terms")
+    neumann_eta: float = opt(0.05, "Neumann step (< 2 / lambda_max of the inner Hessian)")
+    fd_delta: float = opt(1e-3, "RAFBO finite-difference step (mu)")
+    coordinates: bool = opt(False, "RAFBO: the coordinate-wise Jacobian estimator (low-dimensional x)")
+
+    def validate(self) -> "RaboConfig":
+        check_choices(self, "rabo")
+        for k in ("inner_steps", "solver_iters"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"rabo.{k}: must be >= 1, got {getattr(self, k)}")
+        for k in ("beta", "alpha", "neumann_eta", "fd_delta"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"rabo.{k}: must be > 0, got {getattr(self, k)}")
+        if self.coordinates and self.method != "rafbo":
+            raise ConfigError("rabo.coordinates: the coordinate-wise estimator is RAFBO's (set rabo.method: rafbo)")
+        return self
+
+
+@dataclass(frozen=True)
+class FedMetaConfig:
+    local_steps: int = opt(5, "local updates per round on each client (one batch / episode each)")
+    lr: float = opt(0.1, "local (meta-)learning rate of the SGD step on the client")
+    inner_steps: int = opt(1, "Dist-MAML: adaptation steps on the support (0: plain SGD on the query loss)")
+    inner_lr: float = opt(0.5, "Dist-MAML: adaptation learning rate on the support")
+    first_order: bool = opt(False, "Dist-MAML: first-order approximation (no second derivatives, FOMAML)")
+
+    def validate(self) -> "FedMetaConfig":
+        check_choices(self, "fedmeta")
+        if not isinstance(self.local_steps, int) or isinstance(self.local_steps, bool) or self.local_steps < 1:
+            raise ConfigError(f"fedmeta.local_steps: must be an integer >= 1, got {self.local_steps!r}")
+        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 0:
+            raise ConfigError(f"fedmeta.inner_steps: must be an integer >= 0, got {self.inner_steps!r}")
+        for k in ("lr", "inner_lr"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"fedmeta.{k}: must be a number > 0, got {v!r}")
+        if not isinstance(self.first_order, bool):
+            raise ConfigError(f"fedmeta.first_order: must be true or false, got {self.first_order!r}")
+        return self
+
+
+@dataclass(frozen=True)
 class BilevelExperiment:
+    family: Literal["bilevel"] = opt("bilevel", "the method family this file describes (a CIDERS experiment has "
+                                                "family: ciders)")
     name: str = opt("bilevel", "run name")
     seed: int = opt(0, "seed for shards, episodes and initial weights")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps: where the models and data of the task live")
-    method: str = opt("rabo", "what runs: rabo | rafbo | fedmbo | static | fedrolex | fiarse | oap (RABO with that "
-                              "extraction rule) | dist-protonet | dist-maml (few-shot) | fedavg (loss tuning, untuned); "
-                              "`ciders bilevel --methods` runs several")
+    method: BilevelMethod = opt("rabo", "what runs: RABO / RAFBO / FedMBO, RABO with a baseline's extraction rule "
+                                        "(static, fedrolex, fiarse, oap), or a full-model baseline (dist-protonet, "
+                                        "dist-maml: few-shot; fedavg-notune: loss tuning); `ciders bilevel --methods` "
+                                        "runs several")
     task: BilevelTaskConfig = section(BilevelTaskConfig, "the bilevel task and its data")
     federation: BilevelFederationConfig = section(BilevelFederationConfig, "clients, capacities, rounds")
     rabo: RaboConfig = section(RaboConfig, "RABO / RAFBO / FedMBO (ciders.algorithms.rabo)")
@@ -91,28 +153,6 @@ class BilevelExperiment:
 
     def validate(self) -> "BilevelExperiment":
         validate_sections(self)
-        if self.method not in METHODS:
-            raise ConfigError(f"method: must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method in BILEVEL and BILEVEL[self.method][0] != self.rabo.method:
-            raise ConfigError(f"method {self.method} runs rabo.method {BILEVEL[self.method][0]}, but the config has "
-                              f"rabo.method {self.rabo.method}; set method: {self.rabo.method} or drop rabo.method")
         if self.task.kind == "losstune" and self.rabo.mask_target != "y":
             raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
         return self
-
-
-def is_bilevel(config: dict | str | Path) -> bool:
-    """Whether a config (a mapping, YAML text, or the Path of a YAML file) is a bilevel experiment: it has a
-    `rabo` section, which a CIDERS experiment never has. Unreadable input is not (load_config reports it)."""
-    import yaml
-
-    if isinstance(config, Path):
-        if not config.is_file():
-            return False
-        config = config.read_text()
-    if isinstance(config, str):
-        try:
-            config = yaml.safe_load(config)
-        except yaml.YAMLError:
-            return False
-    return isinstance(config, dict) and "rabo" in config

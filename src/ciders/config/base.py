@@ -63,7 +63,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DecompositionConfig:
-    """SPEC 1.1 / Algorithm 1. Set at most one of beta, drop_ratio, student_layers (default drop_ratio 0.2)."""
+    """Algorithm 1 (docs/method.md#algorithm-1-model-decomposition-modelprep). Set at most one of beta, drop_ratio,
+    student_layers (default drop_ratio 0.2)."""
 
     messenger_layers: int = opt(2, "a: number of top layers that form the messenger P_M")
     beta: float | None = opt(None, "compression rate in (0, 1]: n' = beta * (n - a) student layers")
@@ -99,7 +100,8 @@ class DecompositionConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """One PEFT LoRA adapter (SPEC 1.1: r=4, lora_alpha=16, dropout 0.05 on q,k,v,o,gate,up,down)."""
+    """One PEFT LoRA adapter (docs/method.md#algorithm-1-model-decomposition-modelprep: r=4, lora_alpha=16, dropout
+    0.05 on q,k,v,o,gate,up,down)."""
 
     r: int = opt(4, "LoRA rank")
     alpha: float = opt(16.0, "lora_alpha (scaling = alpha / r)")
@@ -129,7 +131,7 @@ class AdaptersConfig:
 
 @dataclass(frozen=True)
 class TAKDConfig:
-    """Task-aware knowledge distillation, Eq. 2 / SPEC 1.2."""
+    """Task-aware knowledge distillation, Eq. 2 (docs/method.md#eq-2-task-aware-knowledge-distillation-takd)."""
 
     lambda_out: float = opt(0.5, "lambda: weight of the forward KL(M*(x) || M(x)); 0 turns the KL term off")
     lambda_task: float = opt(1.0, "lambda_task: weight of the task CE on response tokens; 0 turns it off")
@@ -166,13 +168,17 @@ class TAKDConfig:
                 raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
 
 
+# The values of `algorithm.name`, declared once; `ciders.algorithms.registry` holds what each method is and
+# checks at import that it covers exactly these (CIDERS itself runs as ciders-fo or ciders-fd).
+AlgorithmName = Literal["ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"]
+
+
 @dataclass(frozen=True)
 class CidersConfig:
-    """Client and server update rules of CIDERS (SPEC 1.3-1.4); paper values in the help texts.
+    """Client and server update rules of CIDERS (docs/method.md#algorithm-2-one-round); paper values in the help texts.
     `name` picks CIDERS or a baseline; a baseline fixes the knobs it needs (see `ciders.algorithms`)."""
 
-    name: Literal["ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"] = opt(
-        "ciders", "CIDERS or a baseline (baselines set their own knobs)")
+    name: AlgorithmName = opt("ciders", "CIDERS or a baseline (baselines set their own knobs)")
     local_steps: int = opt(10, "K: optimizer updates per client per round (paper: 10 Protocol A, 20 Protocol B)")
     grad_accum: int = opt(1, "micro-batches averaged into one optimizer update")
     batch_size: int = opt(2, "examples per micro-batch")
@@ -230,6 +236,11 @@ class CidersConfig:
             raise ConfigError(f"{w}.eps_fd: must be > 0, got {self.eps_fd}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"{w}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+    @property
+    def method(self) -> str:
+        """The method's registry name: ciders-fo / ciders-fd for CIDERS, else the baseline's."""
+        return f"ciders-{self.metagrad}" if self.name == "ciders" else self.name
 
     def uses_consensus(self) -> bool:
         """Whether clients need c at all (gamma_t = 0 in every round makes c irrelevant to them)."""
@@ -363,8 +374,10 @@ class FlowerConfig:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """A whole experiment. Later sections (algorithm, rounds, clients, eval) join this one class."""
+    """A whole CIDERS-family experiment (`family: ciders`, the default)."""
 
+    family: Literal["ciders"] = opt("ciders", "the method family this file describes (a RABO-family experiment "
+                                              "has family: bilevel)")
     name: str = opt("experiment", "run name (used for the default output directory)")
     seed: int = opt(0, "seed for data order, LoRA init and dropout; runs are reproducible from it")
     model: ModelConfig = section(ModelConfig, "the pretrained LM M*")
@@ -372,7 +385,7 @@ class ExperimentConfig:
     lora: AdaptersConfig = section(AdaptersConfig, "PEFT LoRA for the messenger and for B_L")
     takd: TAKDConfig = section(TAKDConfig, "server-side task-aware distillation (Eq. 2)")
     data: DataConfig = section(DataConfig, "public, client and evaluation data")
-    algorithm: CidersConfig = section(CidersConfig, "CIDERS client/server update rules (SPEC 1.3-1.4)")
+    algorithm: CidersConfig = section(CidersConfig, "CIDERS client/server update rules (docs/method.md#algorithm-2-one-round)")
     federation: FederationConfig = section(FederationConfig, "clients, partition, rounds, sampling, evaluation")
     eval: EvalConfig = section(EvalConfig, "evaluation tasks (GSM8K, ROUGE-L, HumanEval-X, NLL matrix)")
     flower: FlowerConfig = section(FlowerConfig, "the Flower engines: timeouts and simulation resources")

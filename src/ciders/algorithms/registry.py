@@ -1,0 +1,125 @@
+"""Every method, by name, for both families: the one table configs, the CLI, `compare`, `bilevel` and the
+round functions read (docs/architecture.md, "Adding a method").
+
+A `Method` says which family it belongs to and how it is built from an experiment config:
+  ciders family   `configure(cfg) -> cfg`: CIDERS itself, or a baseline that fixes some of its knobs
+                  (docs/method.md, "Baselines as knob settings"); every one runs the same client and
+                  server functions (`algorithms.ciders`).
+  bilevel family  RABO / RAFBO / FedMBO and the sub-model baselines run `algorithms.rabo` with their
+                  `rabo_method` and extraction rule `mask_rule`; the full-model baselines run their own
+                  `local_update` (`algorithms.fedmeta`) on the task kind they belong to (docs/rabo.md).
+
+The names a config may hold are declared once, as `Literal` types in the config layer
+(`config.AlgorithmName`, `config.BilevelMethod`); this table must cover exactly them (checked at
+import, and by tests/algorithms/test_registry.py).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal
+
+from ciders.algorithms import (dist_maml, dist_protonet, fedavg, fedavg_notune, fedbiot, fedot, fedprox, localot,
+                               scaffold)
+from ciders.config import AlgorithmName
+from ciders.config.bilevel import BilevelMethod
+from ciders.errors import ConfigError
+
+Family = Literal["ciders", "bilevel"]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: Family
+    summary: str
+    configure: Callable[[Any], Any] | None = None  # ciders family: cfg -> the method's effective cfg
+    rabo_method: str | None = None  # bilevel: the algorithms.rabo variant it runs ...
+    mask_rule: str | None = None  # ... with this extraction rule (None: the config's)
+    local_update: Callable | None = None  # bilevel full-model baselines: their client step
+    task_kind: str | None = None  # bilevel full-model baselines: the task they belong to
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The message phases of one round (`federation.exchange`)."""
+        if self.family == "ciders":
+            return ("train",)
+        return ("local",) if self.local_update is not None else ("inner", "outer")
+
+
+def _ciders(metagrad: str) -> Callable:
+    def configure(cfg):
+        return replace(cfg, algorithm=replace(cfg.algorithm, name="ciders", metagrad=metagrad))
+
+    return configure
+
+
+_ALL = [
+    Method("ciders-fo", "ciders", "CIDERS, first-order meta-gradient", _ciders("fo")),
+    Method("ciders-fd", "ciders", "CIDERS, finite-difference meta-gradient", _ciders("fd")),
+    Method("fedavg", "ciders", "FedAvg on the messenger", fedavg.configure),
+    Method("fedprox", "ciders", "FedProx on the messenger", fedprox.configure),
+    Method("scaffold", "ciders", "SCAFFOLD on the messenger", scaffold.configure),
+    Method("fedot", "ciders", "offsite-tuning with FedAvg, B_L aligned once", fedot.configure),
+    Method("fedbiot", "ciders", "FedBiOT: B_L re-aligned every round", fedbiot.configure),
+    Method("localot", "ciders", "each client alone, nothing uploaded", localot.configure),
+    Method("rabo", "bilevel", "RABO: implicit hypergradients on importance sub-models", rabo_method="rabo"),
+    Method("rafbo", "bilevel", "RAFBO: second-order free (finite differences)", rabo_method="rafbo"),
+    Method("fedmbo", "bilevel", "FedMBO: every mask full", rabo_method="fedmbo", mask_rule="full"),
+    Method("static", "bilevel", "RABO with a fixed leading sub-model (HeteroFL)", rabo_method="rabo",
+           mask_rule="static"),
+    Method("fedrolex", "bilevel", "RABO with a rolling window (FedRolex)", rabo_method="rabo", mask_rule="rolling"),
+    Method("fiarse", "bilevel", "RABO with magnitude extraction (FIARSE)", rabo_method="rabo", mask_rule="magnitude"),
+    Method("oap", "bilevel", "RABO with coverage-aware extraction (after OAP)", rabo_method="rabo", mask_rule="oap"),
+    Method("dist-protonet", "bilevel", "FedAvg of a prototypical network", local_update=dist_protonet.local_update,
+           task_kind="fewshot"),
+    Method("dist-maml", "bilevel", "FedAvg of MAML", local_update=dist_maml.local_update, task_kind="fewshot"),
+    Method("fedavg-notune", "bilevel", "FedAvg of the classifier on the untuned loss",
+           local_update=fedavg_notune.local_update, task_kind="losstune"),
+]
+REGISTRY: dict[str, Method] = {m.name: m for m in _ALL}
+
+
+def names(family: Family) -> tuple[str, ...]:
+    return tuple(m.name for m in _ALL if m.family == family)
+
+
+def get(name: str, family: Family | None = None) -> Method:
+    m = REGISTRY.get(name)
+    if m is None or (family is not None and m.family != family):
+        choices = names(family) if family else tuple(REGISTRY)
+        what = {"ciders": "algorithm", "bilevel": "bilevel method"}.get(family or "", "method")
+        raise ConfigError(f"unknown {what} {name!r}; choose from {', '.join(choices)}")
+    return m
+
+
+def bilevel_config(exp, name: str):
+    """The bilevel experiment `exp` with `name` as what it runs: FedMBO with every mask full, Static /
+    FedRolex / FIARSE / OAP as RABO with their extraction rule, the full-model baselines with their own
+    client step (and only on their task kind). A config that names this method but sets a contradicting
+    rabo.method is an error."""
+    m = get(name, "bilevel")
+    if m.local_update is not None:
+        if m.task_kind != exp.task.kind:
+            raise ConfigError(f"{name} is a baseline of the {m.task_kind} task, not of {exp.task.kind}")
+        return replace(exp, method=name).validate()
+    if exp.method == name and exp.rabo.method not in (m.rabo_method, "rabo"):
+        raise ConfigError(f"method {name} runs rabo.method {m.rabo_method}, but the config has rabo.method "
+                          f"{exp.rabo.method}; set method: {exp.rabo.method} or drop rabo.method")
+    rabo = replace(exp.rabo, method=m.rabo_method, mask_rule=m.mask_rule or exp.rabo.mask_rule)
+    return replace(exp, method=name, rabo=rabo).validate()
+
+
+def _check_against_config() -> None:
+    """The table covers exactly the names the config layer declares."""
+    ciders_names = {"ciders" if n.startswith("ciders-") else n for n in names("ciders")}
+    declared = set(typing.get_args(AlgorithmName))
+    if ciders_names != declared:
+        raise RuntimeError(f"algorithm registry {sorted(ciders_names)} != config.AlgorithmName {sorted(declared)}")
+    if set(names("bilevel")) != set(typing.get_args(BilevelMethod)):
+        raise RuntimeError(f"bilevel registry {names('bilevel')} != config.BilevelMethod "
+                           f"{typing.get_args(BilevelMethod)}")
+
+
+_check_against_config()
