@@ -122,7 +122,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             if phase == "report":
                 return client_report(co.clients_store, cid), {}
             # the in-process client's references: the server's own tensors
-            return client_round(cfg, task, co.clients_store, cid, co.sizes[cid], msg, dict(co.down_extra))
+            return client_round(cfg, task, co.clients_store, cid, co.sizes[cid], msg, dict(co.round.down_extra))
 
         def on_reply(cid: str, rec: dict) -> None:
             if rec:

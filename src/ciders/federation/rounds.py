@@ -21,8 +21,9 @@ messenger as wire bytes.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -38,17 +39,125 @@ from ciders.errors import CidersError
 from ciders.fileio import append_jsonl, write_json
 
 
+@dataclass(frozen=True)
+class RunState:
+    """The server's state between rounds: what a checkpoint holds (the per-client server copies of c_i live
+    in the round-tagged server store beside it)."""
+
+    committed: int
+    server: alg.ServerState
+    extra: Any  # the task's server-side extras (e.g. the student LoRA and its TAKD optimizer state)
+    contacted: frozenset[str]  # clients that have received their first-contact components
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """One round between `begin` and `commit`: the state it will commit (`next`), what was sent, and the
+    records it will write. Replaced, never mutated, as the phases go."""
+
+    t: int
+    sampled: tuple[str, ...]
+    started: float  # wall clock (timing.jsonl only)
+    down_extra: dict
+    next: RunState
+    bytes_down: dict = field(default_factory=dict)  # component -> bytes, summed over the round's broadcasts
+    down_len: dict = field(default_factory=dict)  # client -> bytes counted on its downlink
+    changed: tuple[str, ...] = ()  # clients whose server copy this round rewrote
+    records: tuple[dict, ...] = ()  # server, takd and round records, in order
+    personalized: dict = field(default_factory=dict)  # client -> messenger (evaluation rounds)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The uploads of a round that passed every check, and what was rejected, with why."""
+
+    uploads: list
+    rejected: dict
+    bytes_up: dict
+    client_records: list
+    losses: list
+
+
+# ---------------------------------------------------------------------------------------------- pure steps
+
+
+def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, down_extra: dict,
+                      static: set) -> tuple[bytes, dict, bool]:
+    """Client `cid`'s message (its own consensus version, and a resync copy if needed; the static
+    components only at first contact) -> (bytes, bytes per component, counted). Without communication
+    only the first download happens, so only it is counted."""
+    b = alg.make_broadcast(acfg, state.server, copy)
+    first = cid not in state.contacted
+    mine = down_extra if first else {k: v for k, v in down_extra.items() if k not in static}
+    msg, sizes = alg.encode_broadcast(b, mine)
+    return msg, sizes, acfg.communicate or first
+
+
+def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply]) -> Checked:
+    """Decode and check everything that arrived in a train phase: this round's replies (in sampling order),
+    uploads delayed from earlier rounds (kind "late", first) and duplicated deliveries (kind "copy", last).
+    A client error, a reply the transport could not accept, a payload that does not decode against the
+    messenger's shapes and dtypes (or is not finite), an upload that claims another client's id, a reply
+    from a client not sampled this round and an unknown client id are all rejected with the reason; none
+    of them reaches the server update."""
+    t, order = rnd.t, {cid: j for j, cid in enumerate(rnd.sampled)}
+    rejected: dict[str, str] = {}
+    for r in replies:
+        if r.error is not None:
+            rejected[r.client_id] = f"client error: {r.error}"
+        elif r.rejected is not None:
+            rejected[r.client_id] = r.rejected
+        elif r.kind == "reply" and r.client_id not in order:
+            rejected[str(r.client_id)] = f"reply from a client not sampled in round {t}"
+    ok = [r for r in replies if r.error is None and r.rejected is None]
+    got = sorted((r for r in ok if r.kind == "reply" and r.client_id in order), key=lambda r: order[r.client_id])
+    recs = [{"event": "client", **r.record, "round": t, "bytes_up": len(r.payload),
+             "bytes_down": rnd.down_len.get(r.client_id, 0)} for r in got]
+    msgs = [("?", r.payload) for r in ok if r.kind == "late"]
+    msgs += [(r.client_id, r.payload) for r in got if acfg.communicate]
+    msgs += [("?", r.payload) for r in ok if r.kind == "copy"]
+    bytes_up: dict[str, int] = {}
+    uploads = []
+    for who, m in msgs:
+        try:
+            if who != "?":
+                _count(bytes_up, wire.sizes(m))
+            up = alg.decode_upload(m, ref, device=_dev(ref))
+        except PayloadError as exc:
+            rejected[who if who != "?" else f"#{len(rejected)}"] = str(exc)
+            continue
+        if who != "?" and up.client_id != who:
+            rejected[who] = f"upload claims to be from {up.client_id!r}"
+        elif up.client_id not in known_ids:
+            rejected[up.client_id] = "unknown client id"
+        else:
+            uploads.append(up)
+    return Checked(uploads, rejected, bytes_up, recs, [r.record.get("loss") for r in got])
+
+
+def round_records(rnd: InFlight, server_metrics: dict, takd_metrics: dict, checked: Checked) -> tuple[dict, ...]:
+    losses = [x for x in checked.losses if x is not None]
+    return ({"event": "server", **server_metrics, "round": rnd.t},
+            {"event": "takd", "round": rnd.t, **takd_metrics},
+            {"event": "round", "round": rnd.t, "clients": list(rnd.sampled),
+             "loss": sum(losses) / max(len(losses), 1), "bytes_down": rnd.bytes_down, "bytes_up": checked.bytes_up})
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
 class Coordinator:
-    """The server side of a run (one per run directory). Setup happens in the constructor: a fresh run
-    pre-aligns B_L, evaluates and commits round -1; a resumed one drops what a crashed round left and
-    reloads the committed checkpoint."""
+    """The server side of a CIDERS run (one per run directory) for `federation.loop.run_rounds`. Its state
+    is explicit: `state` (RunState, what the last commit holds) and `round` (InFlight, the round between
+    begin and commit); every other attribute is fixed for the run (config, task, stores, ids). Setup
+    happens in the constructor: a fresh run pre-aligns B_L, evaluates and commits round -1; a resumed
+    one drops what a crashed round left and reloads the committed checkpoint."""
 
     def __init__(self, cfg: ExperimentConfig, task, out: str | Path, resume: bool = False,
                  log: Callable[[str], None] = print, engine: str = "local"):
         given, cfg = cfg, algorithms.configure(cfg)
         self.cfg, self.task, self.log = cfg, task, log
         self.run = run = RunDir(out)
-        run.root.mkdir(parents=True, exist_ok=True)
         fed = cfg.federation
         committed = start_run(run, cfg, resume, log)
         if committed is None:
@@ -65,143 +174,54 @@ class Coordinator:
         self.server_store = RoundStore(run.root / "server", start, fed.store_cache)
         self.sizes = task.clients()
         self.ids = sorted(self.sizes)
-        self.messenger0 = task.initial_messenger()
+        self.ref = task.initial_messenger()  # the messenger's keys, shapes, dtypes and device
         self.static = set(getattr(task, "static_extra", lambda: ())())
-        if committed is None:
-            t0 = time.perf_counter()
-            extra_t, extra_m, pre_metrics = task.initial_extra()
-            self.extra = task.extra_from_record(extra_t, extra_m)
-            self.server = alg.init_server(self.messenger0, fed.rounds)
-            self.contacted: set[str] = set()
-            log("evaluating before the first round")
-            ev = task.evaluate(-1, self.server, {})
-            write_json(run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
-            for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
-                self.record(rec)
-            append_jsonl(run.timing, {"round": -1, "prealign_and_eval_s": time.perf_counter() - t0})
-            self._checkpoint(-1, extra_t, extra_m)
-            committed = -1
-        else:
-            log(f"resuming {run.root} after round {committed}")
-            n = self.server_store.recover(committed)
-            if self.clients_store is not None:
-                n += self.clients_store.recover(committed)
-            if n:
-                log(f"  removed {n} records of the interrupted round {committed + 1}")
-            tensors, meta = run.load_checkpoint(committed)
-            server = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
-                                            meta["server"])
-            self.extra = task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")},
-                                                meta["extra"])
-            self.server = _to_device(server, self.messenger0)
-            self.contacted = set(meta.get("contacted", []))
-        self.committed = committed
-        self._t_round = 0.0
+        self.round: InFlight | None = None
+        self.state = self._fresh() if committed is None else self._resumed(committed)
+
+    def _fresh(self) -> RunState:
+        t0 = time.perf_counter()
+        extra_t, extra_m, pre_metrics = self.task.initial_extra()
+        state = RunState(-1, alg.init_server(self.ref, self.cfg.federation.rounds),
+                         self.task.extra_from_record(extra_t, extra_m), frozenset())
+        self.log("evaluating before the first round")
+        ev = self.task.evaluate(-1, state.server, {})
+        write_json(self.run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
+        for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
+            self._record(rec)
+        append_jsonl(self.run.timing, {"round": -1, "prealign_and_eval_s": time.perf_counter() - t0})
+        self._checkpoint(state, extra_t, extra_m)
+        return state
+
+    def _resumed(self, committed: int) -> RunState:
+        self.log(f"resuming {self.run.root} after round {committed}")
+        n = self.server_store.recover(committed)
+        if self.clients_store is not None:
+            n += self.clients_store.recover(committed)
+        if n:
+            self.log(f"  removed {n} records of the interrupted round {committed + 1}")
+        tensors, meta = self.run.load_checkpoint(committed)
+        server = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
+                                        meta["server"])
+        extra = self.task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")},
+                                            meta["extra"])
+        return RunState(committed, _to_device(server, self.ref), extra, frozenset(meta.get("contacted", [])))
 
     # ------------------------------------------------------------------ helpers
     @property
     def first_round(self) -> int:
-        return self.committed + 1
+        return self.state.committed + 1
 
-    @property
-    def ref(self) -> dict:
-        return self.messenger0
-
-    def record(self, rec: dict) -> None:
+    def _record(self, rec: dict) -> None:
         append_jsonl(self.run.metrics, rec)
         if self.tb is not None:
             self.tb.write(rec)
 
-    def _checkpoint(self, t: int, extra_t: dict, extra_m: dict) -> None:
-        st, sm = alg.server_record(self.server)
-        self.run.save_checkpoint(t, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
-                                 {"server": sm, "extra": extra_m, "contacted": sorted(self.contacted)},
+    def _checkpoint(self, state: RunState, extra_t: dict, extra_m: dict) -> None:
+        st, sm = alg.server_record(state.server)
+        self.run.save_checkpoint(state.committed, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
+                                 {"server": sm, "extra": extra_m, "contacted": sorted(state.contacted)},
                                  self.cfg.federation.checkpoint_keep)
-
-    # ------------------------------------------------------------------ one round
-    def begin(self, t: int) -> list[str]:
-        if t != self.committed + 1:
-            raise CidersError(f"round {t} cannot start: round {self.committed} is the last committed one")
-        self._t_round = time.perf_counter()
-        self.sampled = sample_clients(self.ids, self.cfg.federation.per_round, self.cfg.seed, t)
-        self.down_extra = self.task.downlink_extra(self.extra)
-        self.bytes_down: dict[str, int] = {}
-        self.down_len: dict[str, int] = {}
-        self._recs: list[dict] = []
-        return self.sampled
-
-    def broadcast(self, t: int, cid: str) -> bytes:
-        """Client `cid`'s round-t message: its own consensus version (and resync copy if needed); the
-        static components only at first contact."""
-        acfg = self.cfg.algorithm
-        b = alg.make_broadcast(acfg, self.server, _load_copy(self.server_store, cid, self.messenger0))
-        first = cid not in self.contacted
-        mine = self.down_extra if first else {k: v for k, v in self.down_extra.items() if k not in self.static}
-        msg, sizes = alg.encode_broadcast(b, mine)
-        counted = acfg.communicate or first  # without communication only the first download happens
-        if counted:
-            _count(self.bytes_down, sizes)
-        self.down_len[cid] = len(msg) if counted else 0
-        return msg
-
-    def aggregate(self, t: int, replies: list[Reply], carried: list[bytes] = (), stray: list[bytes] = (),
-                  rejected: dict[str, str] | None = None) -> None:
-        """Decode and check every upload that arrived (`carried` ones from earlier rounds first, then this
-        round's replies, then `stray` copies such as duplicates) and apply Eq. 11-12. Malformed or unexpected payloads are
-        rejected and logged with the client id; they never change global state."""
-        acfg = self.cfg.algorithm
-        bytes_up: dict[str, int] = {}
-        order = {cid: j for j, cid in enumerate(self.sampled)}
-        got = sorted((r for r in replies if r.client_id in order), key=lambda r: order[r.client_id])
-        losses, msgs, malformed = [], [("?", m) for m in carried], dict(rejected or {})
-        for r in got:
-            self.contacted.add(r.client_id)
-            self.record({"event": "client", **r.record, "round": t, "bytes_up": len(r.payload),
-                         "bytes_down": self.down_len.get(r.client_id, 0)})
-            losses.append(r.record.get("loss"))
-            if acfg.communicate:
-                msgs.append((r.client_id, r.payload))
-        for r in replies:
-            if r.client_id not in order:
-                malformed[str(r.client_id)] = f"reply from a client not sampled in round {t}"
-        msgs += [("?", m) for m in stray]
-        uploads = []
-        for who, m in msgs:
-            try:
-                if who != "?":
-                    _count(bytes_up, wire.sizes(m))
-                up = alg.decode_upload(m, self.ref, device=_dev(self.ref))
-            except PayloadError as exc:
-                malformed[who if who != "?" else f"#{len(malformed)}"] = str(exc)
-                continue
-            if who != "?" and up.client_id != who:
-                malformed[who] = f"upload claims to be from {up.client_id!r}"
-                continue
-            uploads.append(up)
-        known = [u for u in uploads if u.client_id in self.sizes]
-        for u in uploads:
-            if u.client_id not in self.sizes:
-                malformed[u.client_id] = "unknown client id"
-        copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.messenger0) for u in known}
-        self.server, new_copies, sm = alg.server_update(acfg, self.server, known, copies, n_clients=len(self.ids))
-        for cid, cp in new_copies.items():
-            if cp is not copies[cid]:
-                self.server_store.put(cid, t, *alg.copy_record(cp))
-        self._changed = [u.client_id for u in known]
-        if malformed:
-            sm["rejected"] = {**sm["rejected"], **malformed}
-            for who, why in malformed.items():
-                self.log(f"round {t}: rejected upload from {who}: {why}")
-        self._after_server = (sm, bytes_up, losses)
-
-    def takd(self, t: int) -> None:
-        sm, bytes_up, losses = self._after_server
-        self.extra, tm = self.task.after_server(t, self.server, self.extra)
-        self._recs = [{"event": "server", **sm, "round": t},
-                      {"event": "takd", "round": t, **tm},
-                      {"event": "round", "round": t, "clients": self.sampled,
-                       "loss": sum(x for x in losses if x is not None) / max(sum(x is not None for x in losses), 1),
-                       "bytes_down": self.bytes_down, "bytes_up": bytes_up}]
 
     def eval_due(self, t: int) -> bool:
         fed = self.cfg.federation
@@ -209,74 +229,80 @@ class Coordinator:
 
     def eval_clients(self, t: int) -> list[str]:
         """Whose personalized messengers the round-t evaluation reads."""
-        return self.ids if self.cfg.federation.eval_clients == "all" else list(self.sampled)
-
-    def finish(self, t: int, personalized: dict | None = None, before_checkpoint: Callable[[], None] | None = None
-               ) -> None:
-        """Evaluate (when due) with the given personalized messengers {client: State}, log the round,
-        checkpoint and commit it."""
-        recs = self._recs
-        if self.eval_due(t):
-            got = personalized or {}  # in client order, whatever order they arrived in (sums are order-sensitive)
-            pers = {cid: {k: v.to(_dev(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
-            recs.append({"event": "eval", "round": t, **self.task.evaluate(t, self.server, pers)})
-            write_json(self.run.root / "eval" / f"round_{t:04d}.json", recs[-1])
-        for r in recs:
-            self.record(r)
-        append_jsonl(self.run.timing, {"round": t, "seconds": time.perf_counter() - self._t_round})
-        if before_checkpoint is not None:
-            before_checkpoint()
-        et, em = self.task.extra_record(self.extra)
-        self._checkpoint(t, et, em)
-        if self.clients_store is not None:
-            self.clients_store.commit(t, self.sampled)
-        self.server_store.commit(t, self._changed)
-        self.committed = t
+        return self.ids if self.cfg.federation.eval_clients == "all" else list(self.round.sampled)
 
     # ------------------------------------------------------------------ the round as phases (federation.loop)
+    def begin(self, t: int) -> InFlight:
+        if t != self.state.committed + 1:
+            raise CidersError(f"round {t} cannot start: round {self.state.committed} is the last committed one")
+        sampled = tuple(sample_clients(self.ids, self.cfg.federation.per_round, self.cfg.seed, t))
+        self.round = InFlight(t, sampled, time.perf_counter(), self.task.downlink_extra(self.state.extra),
+                              next=self.state)
+        return self.round
+
     def phases(self, t: int) -> tuple[str, ...]:
         return ("train", "report") if self.eval_due(t) else ("train",)
 
     def messages(self, phase: str, t: int) -> dict[str, bytes]:
-        if phase == "train":
-            return {cid: self.broadcast(t, cid) for cid in self.sampled}
         if phase == "report":
-            self._pers = {}
             return {cid: b"" for cid in self.eval_clients(t)}
-        raise ValueError(f"CIDERS has no phase {phase!r}")
+        if phase != "train":
+            raise ValueError(f"CIDERS has no phase {phase!r}")
+        rnd, out, total, lens = self.round, {}, {}, {}
+        for cid in rnd.sampled:
+            copy = _load_copy(self.server_store, cid, self.ref)
+            out[cid], sizes, counted = broadcast_message(self.cfg.algorithm, self.state, copy, cid, rnd.down_extra,
+                                                         self.static)
+            if counted:
+                _count(total, sizes)
+            lens[cid] = len(out[cid]) if counted else 0
+        self.round = replace(rnd, bytes_down=total, down_len=lens)
+        return out
 
     def absorb(self, phase: str, t: int, replies: list[Reply], mark: Callable[[str], None] = lambda p: None) -> None:
-        """Apply what arrived in `phase`. Train: client errors are logged and rejected (a client that failed
-        gets its first-contact components again), then Eq. 11-12 over the valid uploads ("server"), then
-        TAKD ("takd"); `mark(point)` is called after each (crash points for the fault tests)."""
+        """Apply what arrived in `phase`. Train: the checks (`check_uploads`), Eq. 11-12 over the valid
+        uploads ("server"), then TAKD, Eq. 13 ("takd"); `mark(point)` is called after each (crash points
+        for the fault tests). Report: the personalized messengers the evaluation reads."""
         if phase == "report":
-            for r in replies:
-                if r.error is None and r.rejected is None and r.kind == "reply" and \
-                        (got := self._read_report(t, r)) is not None:
-                    self._pers[r.client_id] = got
-            missing = sorted(set(self.eval_clients(t)) - set(self._pers))
+            pers = {r.client_id: got for r in replies if (got := self._read_report(t, r)) is not None}
+            missing = sorted(set(self.eval_clients(t)) - set(pers))
             if missing and self.clients_store is None:
                 self.log(f"round {t}: evaluating without the personalized messengers of {', '.join(missing)}")
+            self.round = replace(self.round, personalized=pers)
             return
-        bad = {}
-        for r in replies:
-            if r.error is not None:
-                bad[r.client_id] = f"client error: {r.error}"
-                self.contacted.discard(r.client_id)  # e.g. it lost its static components: send them again
-            elif r.rejected is not None:
-                bad[r.client_id] = r.rejected
-        ok = [r for r in replies if r.error is None and r.rejected is None]
-        answered = {r.client_id for r in ok if r.kind == "reply"}
-        missing = sorted(set(self.sampled) - answered - set(bad))
+        rnd, acfg = self.round, self.cfg.algorithm
+        answered = {r.client_id for r in replies if r.kind == "reply"}
+        missing = sorted(set(rnd.sampled) - answered)
         if missing and self.clients_store is None:
             self.log(f"round {t}: no reply from {', '.join(missing)} within the round")
-        self.aggregate(t, [r for r in ok if r.kind == "reply"], [r.payload for r in ok if r.kind == "late"],
-                       [r.payload for r in ok if r.kind == "copy"], rejected=bad)
+        checked = check_uploads(acfg, self.ref, self.sizes, rnd, replies)
+        for rec in checked.client_records:
+            self._record(rec)
+        # a client that failed gets its first-contact components again; one that replied is contacted
+        failed = {r.client_id for r in replies if r.error is not None}
+        contacted = (rnd.next.contacted - failed) | {r.client_id for r in replies if r.kind == "reply" and
+                                                     r.client_id in rnd.sampled and r.error is None and
+                                                     r.rejected is None}
+        copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
+        server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies,
+                                                   n_clients=len(self.ids))
+        for cid, cp in new_copies.items():
+            if cp is not copies[cid]:
+                self.server_store.put(cid, t, *alg.copy_record(cp))
+        if checked.rejected:
+            sm["rejected"] = {**sm["rejected"], **checked.rejected}
+            for who, why in checked.rejected.items():
+                self.log(f"round {t}: rejected upload from {who}: {why}")
         mark("server")
-        self.takd(t)
+        extra, tm = self.task.after_server(t, server, rnd.next.extra)
+        self.round = replace(rnd, next=RunState(t, server, extra, frozenset(contacted)),
+                             changed=tuple(u.client_id for u in checked.uploads),
+                             records=round_records(rnd, sm, tm, checked))
         mark("takd")
 
     def _read_report(self, t: int, r: Reply) -> dict | None:
+        if r.error is not None or r.rejected is not None or r.kind != "reply":
+            return None
         try:
             comps, meta = wire.decode(r.payload, {"personalized": self.ref}, device=_dev(self.ref))
             if meta.get("client_id") != r.client_id:
@@ -287,14 +313,31 @@ class Coordinator:
         return comps.get("personalized")
 
     def commit(self, t: int, before_checkpoint: Callable[[], None] | None = None) -> None:
-        self.finish(t, getattr(self, "_pers", {}) if self.eval_due(t) else {}, before_checkpoint)
-        self._pers = {}
-
+        """Evaluate (when due, with the personalized messengers in client order: sums are order-sensitive),
+        log the round, checkpoint and commit it; the round's `next` state becomes the state."""
+        rnd = self.round
+        recs = list(rnd.records)
+        if self.eval_due(t):
+            got = rnd.personalized
+            pers = {cid: {k: v.to(_dev(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
+            recs.append({"event": "eval", "round": t, **self.task.evaluate(t, rnd.next.server, pers)})
+            write_json(self.run.root / "eval" / f"round_{t:04d}.json", recs[-1])
+        for r in recs:
+            self._record(r)
+        append_jsonl(self.run.timing, {"round": t, "seconds": time.perf_counter() - rnd.started})
+        if before_checkpoint is not None:
+            before_checkpoint()
+        et, em = self.task.extra_record(rnd.next.extra)
+        self._checkpoint(rnd.next, et, em)
+        if self.clients_store is not None:
+            self.clients_store.commit(t, list(rnd.sampled))
+        self.server_store.commit(t, list(rnd.changed))
+        self.state, self.round = rnd.next, None
 
     def close(self) -> dict:
         if self.tb is not None:
             self.tb.close()
-        self.task.finalize(self.run.root, self.server, self.extra)
+        self.task.finalize(self.run.root, self.state.server, self.state.extra)
         summary = summarize(self.run, self.cfg, once=self.static)
         write_json(self.run.root / "summary.json", summary)
         return summary
