@@ -109,7 +109,7 @@ class BilevelRounds:
         mark(phase)
 
     def commit(self, q: int, before_checkpoint: Callable[[], None] | None = None) -> None:
-        rnd = {"event": "round", "round": q, **self.server.stats, "full_bytes_per_client": self.full}
+        rnd = {"event": "round", "round": q, **self.server.finish(), "full_bytes_per_client": self.full}
         append_jsonl(self.run.metrics, rnd)
         self.ev = self.server.evaluate()
         append_jsonl(self.run.metrics, {"event": "eval", "round": q, **self.ev})

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import dataclass, field, replace
 from typing import Callable, MutableMapping
 
 import torch
@@ -74,8 +75,21 @@ def kept_fraction(m: rb.ClientMasks) -> float:
     return mk.masked_fraction({**{f"x/{k}": v for k, v in m.x.items()}, **{f"y/{k}": v for k, v in m.y.items()}})
 
 
+@dataclass(frozen=True)
+class BilevelRound:
+    """One round between `begin` and `finish`: every client's masks, y_{q+1} after the inner phase (`mid`),
+    the state the round will commit (`next`) and its statistics. Replaced, never mutated, phase by phase."""
+
+    q: int
+    masks: dict  # client id -> rb.ClientMasks
+    mid: rb.BilevelState | None = None
+    next: rb.BilevelState | None = None
+    stats: dict = field(default_factory=dict)
+
+
 class BilevelServer:
-    """The server of one run: state (x, y), this round's masks, and the message of every phase."""
+    """The server of one run. Its state is explicit: `state` (x_q, y_q: what the last commit holds) and
+    `round` (BilevelRound); every other attribute is fixed for the run."""
 
     def __init__(self, exp, task, log: Callable[[str], None] = print):
         self.exp, self.cfg, self.task, self.log = exp, exp.rabo, task, log
@@ -85,9 +99,15 @@ class BilevelServer:
         self.method = exp.method
         self.spec = get(exp.method, "bilevel")
         self.phases = self.spec.phases
-        self.masks: list[rb.ClientMasks] = []
-        self.mid: rb.BilevelState | None = None
-        self.stats: dict = {}
+        self.round: BilevelRound | None = None
+
+    @property
+    def masks(self) -> dict:
+        return self.round.masks
+
+    @property
+    def stats(self) -> dict:
+        return self.round.stats
 
     @property
     def ids(self) -> list[str]:
@@ -101,8 +121,7 @@ class BilevelServer:
         else:
             masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
                                      capacities=self.caps) for i, r in enumerate(self.caps)]
-        self.masks = dict(zip(self.ids, masks))
-        self.mid, self.stats = None, {}
+        self.round = BilevelRound(q, dict(zip(self.ids, masks)))
 
     def down(self, phase: str, i: str) -> bytes:
         m, s = self.masks[i], self.state
@@ -110,7 +129,7 @@ class BilevelServer:
         if phase == "inner":
             return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
         if phase == "outer":
-            return encode({"y": sm.pack(self.mid.y, m.y)}, meta)[0]
+            return encode({"y": sm.pack(self.round.mid.y, m.y)}, meta)[0]
         if phase == "local":  # a full-model baseline: the whole model down, the client's model up
             return encode({"x": s.x, "y": s.y}, meta)[0]
         raise ValueError(f"unknown phase {phase!r}")
@@ -139,16 +158,17 @@ class BilevelServer:
             except PayloadError as exc:
                 rejected[i] = str(exc)
                 self.log(f"round {self.state.round} {phase}: rejected the reply of {i}: {exc}")
+        stats = {**self.round.stats, f"{phase}_clients": [i for i in replies if i not in rejected]}
         if phase == "inner":
             base = self.state
-            self.mid, st = rb.server_inner(self.cfg, base, vals, used) if vals else (base, {"covering_y": 0,
-                                                                                          "trained_y": 0.0})
+            mid, st = rb.server_inner(self.cfg, base, vals, used) if vals else (base, {"covering_y": 0,
+                                                                                    "trained_y": 0.0})
+            self.round = replace(self.round, mid=mid, stats={**stats, **st})
         else:
-            base = self.mid
-            self.state, st = rb.server_outer(self.cfg, base, vals, used) if vals else (
+            base = self.round.mid
+            nxt, st = rb.server_outer(self.cfg, base, vals, used) if vals else (
                 rb.BilevelState(base.round + 1, base.x, base.y), {"covering_x": 0, "trained_x": 0.0})
-        self.stats.update(st)
-        self.stats[f"{phase}_clients"] = [i for i in replies if i not in rejected]
+            self.round = replace(self.round, next=nxt, stats={**stats, **st})
         return rejected
 
     def _absorb_local(self, replies: dict[str, bytes]) -> dict:
@@ -169,13 +189,21 @@ class BilevelServer:
                 self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
         if xs:
             w = [1.0] * len(xs)
-            self.state = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
+            nxt = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
         else:
-            self.state = rb.BilevelState(s.round + 1, s.x, s.y)
+            nxt = rb.BilevelState(s.round + 1, s.x, s.y)
         n = len(xs)
-        self.stats.update({"covering_x": n, "covering_y": n, "trained_x": float(n > 0), "trained_y": float(n > 0),
-                           "local_clients": [i for i in replies if i not in rejected]})
+        self.round = replace(self.round, next=nxt, stats={
+            **self.round.stats, "covering_x": n, "covering_y": n, "trained_x": float(n > 0),
+            "trained_y": float(n > 0), "local_clients": [i for i in replies if i not in rejected]})
         return rejected
+
+    def finish(self) -> dict:
+        """The round's state becomes the state; returns the round's statistics."""
+        if self.round is None or self.round.next is None:
+            raise ValueError("finish: the round has not taken its last server step")
+        self.state, stats, self.round = self.round.next, self.round.stats, None
+        return stats
 
     def _check_meta(self, meta: dict, phase: str, i: str) -> None:
         if meta.get("round") != self.state.round or meta.get("client") != i or meta.get("phase") != phase:
@@ -185,7 +213,7 @@ class BilevelServer:
     def participants(self, phase: str) -> list[str]:
         """Who gets `phase`'s message: everyone for the first phase; for the outer phase, the clients whose
         inner reply was accepted (the others have no place in this round's y_{q+1})."""
-        return self.ids if phase == self.phases[0] else list(self.stats.get(f"{self.phases[0]}_clients", []))
+        return self.ids if phase == self.phases[0] else list(self.round.stats.get(f"{self.phases[0]}_clients", []))
 
     def evaluate(self) -> dict:
         return self.task.evaluate(self.state.x, self.state.y)
