@@ -72,8 +72,8 @@ SEED_STREAMS: frozenset[str] = frozenset({
     "client-batches",       # workloads.llm: a client's data order in round t, epoch e (keys t, ci, e)
     "client-dropout",       # workloads.llm: the dropout seed of client ci's micro-batch j in round t (keys t, ci, j)
     "eval-split",           # workloads.evaluation: the seeded Dolly evaluation slice
-    "synthetic-client",     # workloads.synthetic: client ci's quadratic (key ci)
-    "synthetic-batch",      # workloads.synthetic: client ci's gradient noise in round t (keys t, ci)
+    "synthetic-client",     # tests/synthetic.py: client ci's quadratic (key ci)
+    "synthetic-batch",      # tests/synthetic.py: client ci's gradient noise in round t (keys t, ci)
     "bilevel-episodes",     # workloads.bilevel few-shot: client i's episode of round q (keys q, i)
     "bilevel-eval",         # workloads.bilevel few-shot: the held-out evaluation episodes
     "bilevel-init",         # workloads.bilevel: the initial model of a bilevel task

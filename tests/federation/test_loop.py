@@ -12,7 +12,7 @@ from ciders.config import load_config
 from ciders.core.store import RoundStore
 from ciders.core.tensors import equal, lincomb, max_abs_diff
 from ciders.federation.loop import Faults, RunDir, SimulatedCrash, run_federation
-from ciders.workloads.synthetic import VectorTask
+from synthetic import VectorTask
 from ciders.errors import CidersError
 from ciders.fileio import read_jsonl
 from conftest import ROOT

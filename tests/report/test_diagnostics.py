@@ -9,7 +9,7 @@ from ciders.config import load_config
 from ciders.core.diagnostics import psi, psi_inf
 from ciders.core.metagrad import fd_class
 from ciders.federation.loop import run_federation
-from ciders.workloads.synthetic import VectorTask
+from synthetic import VectorTask
 from ciders.fileio import read_jsonl
 from ciders.report import diagnostics as dg
 

@@ -21,7 +21,7 @@ from ciders.algorithms import configure
 from ciders.federation.loop import Faults, RunDir, run_federation
 from ciders.federation.rounds import client_round
 from ciders.transports.flower.exchange import FlowerExchange
-from ciders.workloads.synthetic import VectorTask
+from synthetic import VectorTask
 
 VEC = ["federation.clients=5", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",
        "algorithm.lr=0.05", "algorithm.gamma=0.3", "algorithm.alpha=0.2", "algorithm.metagrad=fd",

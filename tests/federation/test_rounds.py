@@ -1,0 +1,68 @@
+"""The pure steps of a CIDERS round (`federation.rounds`): what reaches the server update and why the rest
+does not. Each bad delivery is one a hostile or broken client or transport can produce."""
+
+import torch
+
+from ciders.algorithms import ciders as alg
+from ciders.algorithms import configure
+from ciders.config import load_config
+from ciders.core.store import RoundStore
+from ciders.federation.exchange import Reply
+from ciders.federation.rounds import InFlight, RunState, broadcast_message, check_uploads, client_round
+from synthetic import VectorTask
+
+VEC = ["federation.clients=3", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",
+       "algorithm.lr=0.05", "algorithm.gamma=0.3"]
+
+
+def one_round(tmp_path):
+    cfg, task = configure(load_config(None, VEC)), VectorTask(4)
+    ref = task.initial_messenger()
+    state = RunState(-1, alg.init_server(ref, cfg.federation.rounds), None, frozenset())
+    sampled = tuple(task.ids[:3])
+    rnd = InFlight(0, sampled, 0.0, {}, next=state)
+    store = RoundStore(tmp_path, -1)
+    ups = {}
+    for cid in sampled:
+        msg, _, _ = broadcast_message(cfg.algorithm, state, alg.init_copy(ref), cid, {}, set())
+        ups[cid] = client_round(cfg, task, store, cid, task.clients()[cid], msg, {})
+    return cfg, task, ref, rnd, ups
+
+
+def test_only_valid_uploads_of_sampled_clients_reach_the_server(tmp_path):
+    cfg, task, ref, rnd, ups = one_round(tmp_path)
+    a, b, c = rnd.sampled
+    nan = alg.decode_upload(ups[c][0], ref)
+    nan = alg.encode_upload(alg.Upload(nan.client_id, nan.round, nan.base_version, nan.n_examples,
+                                       {k: torch.full_like(v, float("nan")) for k, v in nan.dc.items()}))[0]
+    replies = [Reply(b, ups[a][0], ups[b][1]),  # b's node sends a's upload: claims another id
+               Reply(a, *ups[a]),  # fine (arrives after b, is taken in sampling order)
+               Reply(c, nan, ups[c][1]),  # not finite
+               Reply(task.ids[3], ups[a][0], {}),  # never sampled this round
+               Reply(c, b"", {}, kind="copy", rejected="not one flat uint8 array")]
+    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
+    assert [u.client_id for u in checked.uploads] == [a]
+    assert "claims to be from" in checked.rejected[b] and "NaN" in checked.rejected[c]
+    assert "not sampled in round 0" in checked.rejected[task.ids[3]]
+    assert [r["bytes_up"] for r in checked.client_records] == [len(ups[a][0]), len(ups[a][0]), len(ups[c][0])]
+
+
+def test_client_errors_and_transport_rejections_are_kept_with_their_reason(tmp_path):
+    cfg, task, ref, rnd, ups = one_round(tmp_path)
+    a, b, c = rnd.sampled
+    replies = [Reply(a, error="ClientApp raised ValueError"), Reply(b, rejected="unreadable record"), Reply(c, *ups[c])]
+    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
+    assert checked.rejected == {a: "client error: ClientApp raised ValueError", b: "unreadable record"}
+    assert [u.client_id for u in checked.uploads] == [c] and len(checked.client_records) == 1
+
+
+def test_late_and_duplicated_deliveries_are_checked_by_their_content(tmp_path):
+    """A delayed upload (kind late) goes first, a duplicate (kind copy) last; both are decoded and checked
+    like any upload (the server update then refuses a stale or repeated one by its round and version)."""
+    cfg, task, ref, rnd, ups = one_round(tmp_path)
+    a, b, _ = rnd.sampled
+    replies = [Reply(b, *ups[b]), Reply(a, ups[a][0], {}, kind="late"), Reply(b, ups[b][0], {}, kind="copy"),
+               Reply(a, b"garbage", {}, kind="copy")]
+    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
+    assert [u.client_id for u in checked.uploads] == [a, b, b]
+    assert len(checked.client_records) == 1 and list(checked.rejected) == ["#0"]
