@@ -224,6 +224,48 @@ def sample_indices(n: int, batch_size: int, seed: int, position: int) -> list[in
     return out
 
 
+def _enter_student_training(d: Decomposition, params: dict) -> dict[int, bool]:
+    """Make B_L's LoRA the only trainable part, with dropout on B_L alone; returns the previous
+    requires_grad flags of the student and messenger parameters for `_leave_student_training`."""
+    flags = {id(p): p.requires_grad for p in list(params.values()) + list(d.messenger_params().values())}
+    d.set_trainable(messenger=False, student=True)
+    d.adapemu.eval()
+    for layer in d.student:
+        layer.train()  # LoRA dropout on B_L only; the messenger is a fixed function here
+    return flags
+
+
+def _leave_student_training(d: Decomposition, params: dict, flags: dict[int, bool]) -> None:
+    """Undo `_enter_student_training`: eval mode, the saved requires_grad flags, no gradients left."""
+    for layer in d.student:
+        layer.eval()
+    for p in list(params.values()) + list(d.messenger_params().values()):
+        p.requires_grad_(flags[id(p)])
+        p.grad = None
+
+
+def _accumulate(d: Decomposition, params: dict, features: Sequence[dict], cfg: TAKDConfig, s: int, *,
+                pad_id: int, seed: int, cache: TeacherCache | None, devices: list) -> dict[str, float]:
+    """Gradients of step `s` over its cfg.grad_accum micro-batches into `params[*].grad`; returns the
+    step's mean loss terms. Raises on a non-finite loss."""
+    for p in params.values():
+        p.grad = None
+    acc = {"loss": 0.0, "hidden": 0.0, "kl": 0.0, "ce": 0.0}
+    for micro in range(cfg.grad_accum):
+        idx = sample_indices(len(features), cfg.batch_size, seed, s * cfg.grad_accum + micro)
+        batch = collate([features[i] for i in idx], pad_id, d.device)
+        h_t = cache.gather(idx, d.device) if cache is not None else None
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(seed, "takd-dropout", s, micro))
+            terms = takd_loss(d, batch, cfg, h_t)
+        (terms["loss"] / cfg.grad_accum).backward()
+        for k in acc:
+            acc[k] += float(terms[k].detach()) / cfg.grad_accum
+    if not math.isfinite(acc["loss"]):
+        raise CidersError(f"TAKD step {s}: loss is {acc['loss']}; lower takd.lr or check the data")
+    return acc
+
+
 def distill(
     d: Decomposition,
     state: TAKDState,
@@ -250,32 +292,14 @@ def distill(
     d.load_student(state.student)
     params = d.student_params()
     opt_state = state.optimizer if state.optimizer is not None else optim.adamw_init(state.student)
-    flags = {id(p): p.requires_grad for p in list(params.values()) + list(d.messenger_params().values())}
-    d.set_trainable(messenger=False, student=True)
-    d.adapemu.eval()
-    for layer in d.student:
-        layer.train()  # LoRA dropout on B_L only; the messenger is a fixed function here
+    flags = _enter_student_training(d, params)
     history = []
     devices = [d.device] if d.device.type == "cuda" else []
     student = {k: p.detach().clone() for k, p in params.items()}
     try:
         for s in range(state.step, state.step + steps):
             t0 = time.perf_counter()
-            for p in params.values():
-                p.grad = None
-            acc = {"loss": 0.0, "hidden": 0.0, "kl": 0.0, "ce": 0.0}
-            for micro in range(cfg.grad_accum):
-                idx = sample_indices(len(features), cfg.batch_size, seed, s * cfg.grad_accum + micro)
-                batch = collate([features[i] for i in idx], pad_id, d.device)
-                h_t = cache.gather(idx, d.device) if cache is not None else None
-                with torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(derive_seed(seed, "takd-dropout", s, micro))
-                    terms = takd_loss(d, batch, cfg, h_t)
-                (terms["loss"] / cfg.grad_accum).backward()
-                for k in acc:
-                    acc[k] += float(terms[k].detach()) / cfg.grad_accum
-            if not math.isfinite(acc["loss"]):
-                raise CidersError(f"TAKD step {s}: loss is {acc['loss']}; lower takd.lr or check the data")
+            acc = _accumulate(d, params, features, cfg, s, pad_id=pad_id, seed=seed, cache=cache, devices=devices)
             grads = {k: p.grad for k, p in params.items()}
             grads, gn = optim.clip_by_global_norm(grads, cfg.max_grad_norm)
             student, opt_state = optim.adamw_step(student, grads, opt_state, cfg.lr, weight_decay=cfg.weight_decay)
@@ -285,10 +309,6 @@ def distill(
             if on_step:
                 on_step(rec)
     finally:
-        for layer in d.student:
-            layer.eval()
-        for p in list(params.values()) + list(d.messenger_params().values()):
-            p.requires_grad_(flags[id(p)])
-            p.grad = None
+        _leave_student_training(d, params, flags)
     new = TAKDState(student=student, optimizer=opt_state, step=state.step + steps)
     return new, history

@@ -65,6 +65,50 @@ def _mib(n_params: int, nbytes: int = FP32) -> float:
     return n_params * nbytes / MIB
 
 
+def _meta_model(model: str) -> tuple[object, nn.Module, nn.ModuleList]:
+    """The model's config, the model built from it on the meta device (no weights), and its decoder layers."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(model)
+    with torch.device("meta"):
+        try:
+            m = AutoModelForCausalLM.from_config(cfg)
+        except ValueError as exc:
+            raise CidersError(f"{model}: not a causal LM config ({str(exc).splitlines()[0][:160]})") from exc
+    layers = getattr(getattr(m, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise CidersError(f"{model}: {type(m).__name__} has no decoder layer list at model.model.layers")
+    return cfg, m, layers
+
+
+def _edge_base(cfg: object, m: nn.Module, stu: list[nn.Module], msg: list[nn.Module]) -> tuple[int, torch.dtype, int]:
+    """Edge base weights (sent once): B_L + P_M layers plus embeddings / norm / head (tied counted once).
+    Returns their parameter count, the checkpoint dtype and its bytes per parameter."""
+    seen: set[int] = set()
+    edge = 0
+    for mod in stu + msg + [mod for n, mod in m.model.named_children() if n != "layers"] + [m.lm_head]:
+        for p in mod.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                edge += p.numel()
+    dtype = getattr(cfg, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    return edge, dtype, nbytes
+
+
+def _traffic(msg_mib: float, stu_mib: float, upload_personalized_messenger: bool) -> tuple[dict, dict]:
+    """Per client per round FP32 MiB: downlink and uplink parts, each with its total."""
+    down = {"messenger": msg_mib, "consensus": msg_mib, "student_lora": stu_mib}
+    down["total"] = sum(down.values())
+    up = {"consensus_increment": msg_mib}
+    if upload_personalized_messenger:
+        up["personalized_messenger"] = msg_mib
+    up["total"] = sum(up.values())
+    return down, up
+
+
 def make_plan(
     model: str,
     messenger_layers: int,
@@ -77,17 +121,7 @@ def make_plan(
     student_lora: LoraConfig = LoraConfig(),
     upload_personalized_messenger: bool = False,
 ) -> Plan:
-    from transformers import AutoModelForCausalLM
-
-    cfg = load_config(model)
-    with torch.device("meta"):
-        try:
-            m = AutoModelForCausalLM.from_config(cfg)
-        except ValueError as exc:
-            raise CidersError(f"{model}: not a causal LM config ({str(exc).splitlines()[0][:160]})") from exc
-    layers = getattr(getattr(m, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise CidersError(f"{model}: {type(m).__name__} has no decoder layer list at model.model.layers")
+    cfg, m, layers = _meta_model(model)
     split: Split = split_layers(len(layers), messenger_layers, beta=beta, drop_ratio=drop_ratio,
                                 student_layers=student_layers, rounding=rounding)
     msg = [layers[i] for i in split.messenger_indices]
@@ -96,27 +130,9 @@ def make_plan(
     sp, st = _lora_sizes(stu, student_lora.targets, student_lora.r)
     if mt == 0:
         raise CidersError(f"{model}: LoRA targets {list(messenger_lora.targets)} match no Linear in the messenger layers")
-
-    # Edge base weights (sent once): B_L + P_M layers plus embeddings / norm / head (tied counted once).
-    seen: set[int] = set()
-    edge = 0
-    for mod in stu + msg + [mod for n, mod in m.model.named_children() if n != "layers"] + [m.lm_head]:
-        for p in mod.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                edge += p.numel()
-    dtype = getattr(cfg, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    nbytes = torch.empty((), dtype=dtype).element_size()
-
+    edge, dtype, nbytes = _edge_base(cfg, m, stu, msg)
     msg_mib, stu_mib = _mib(mp), _mib(sp)
-    down = {"messenger": msg_mib, "consensus": msg_mib, "student_lora": stu_mib}
-    down["total"] = sum(down.values())
-    up = {"consensus_increment": msg_mib}
-    if upload_personalized_messenger:
-        up["personalized_messenger"] = msg_mib
-    up["total"] = sum(up.values())
+    down, up = _traffic(msg_mib, stu_mib, upload_personalized_messenger)
     return Plan(
         model=model, model_type=cfg.model_type, hidden_size=cfg.hidden_size, n_layers=split.n_layers,
         messenger_layers=split.messenger_layers, teacher_layers=split.teacher_layers,

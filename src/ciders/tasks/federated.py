@@ -11,7 +11,7 @@ data.per_label; the client part partitioned iid / natural / dirichlet through fl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,92 +46,118 @@ def _check_disjoint(groups: dict[str, list[Example]]) -> None:
                 raise CidersError(f"{len(both)} prompts occur in both the {a} and the {b} data; they must be disjoint")
 
 
-def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
-    dc, fed = cfg.data, cfg.federation
-    ml = dc.max_length
-    reports: dict[str, DataReport] = {}
-    eval_labels: list[str | None] = []
-    client_labels: list[str | None] = []
-    if dc.task == "custom":
-        pub, reports["public"] = load_examples(resolve(dc.public), dc.format, dc.public_limit)
-        ev, reports["eval"] = load_examples(resolve(dc.eval), dc.format, dc.eval_limit)
-        from ciders.tasks.text import read_records
+class _Parts(NamedTuple):
+    """The untokenized split that both data sources produce, in the shape `build` consumes."""
 
-        ev_raw = read_records(resolve(dc.eval))[: len(ev)]
-        if fed.partition == "iid":
-            pool, reports["clients"] = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
-            perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "data-split")))
-            shards = [[pool[j] for j in perm[i :: fed.clients].tolist()] for i in range(fed.clients)]
-        else:
-            shards = []
-            for i, f in enumerate(dc.client_files):
-                ex, reports[f"client{i}"] = load_examples(resolve(f), dc.format, dc.clients_limit)
-                shards.append(ex)
-        split_info = {"kind": "files"}
-        natural = []
+    pub: list[Example]
+    ev: list[Example]
+    ev_raw: list[dict]
+    eval_labels: list[str | None]
+    shards: list[list[Example]]
+    natural: list[str]  # natural partitions: each shard's label, else empty
+    split_info: dict
+
+
+def _load_custom(cfg: ExperimentConfig, reports: dict[str, DataReport]) -> _Parts:
+    """data.task = custom: public / eval / clients from explicit files (one file per client unless iid)."""
+    dc, fed = cfg.data, cfg.federation
+    pub, reports["public"] = load_examples(resolve(dc.public), dc.format, dc.public_limit)
+    ev, reports["eval"] = load_examples(resolve(dc.eval), dc.format, dc.eval_limit)
+    from ciders.tasks.text import read_records
+
+    ev_raw = read_records(resolve(dc.eval))[: len(ev)]
+    if fed.partition == "iid":
+        pool, reports["clients"] = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
+        perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "data-split")))
+        shards = [[pool[j] for j in perm[i :: fed.clients].tolist()] for i in range(fed.clients)]
     else:
-        spec = TASKS[dc.task]
-        recs = load_task(dc.task, dc.source)
-        reports["pool"] = recs.report
-        labels = recs.labels
-        n_lab = len(set(labels)) if dc.per_label and spec.label else 1
-        official = bool(spec.eval_local or spec.eval_hub)
-        split = split_indices(len(recs.examples), dc.public_size * n_lab, 0 if official else dc.eval_size * n_lab,
-                              cfg.seed, labels if dc.per_label and spec.label else None)
-        pub = [recs.examples[i] for i in split.public]
-        if official:
-            ev_recs = load_task(dc.task, "hub" if dc.source == "hub" else None, eval_split=True, limit=dc.eval_limit)
-            reports["eval"] = ev_recs.report
-            ev, ev_raw, eval_labels = ev_recs.examples, ev_recs.raw, ev_recs.labels
-        else:
-            ev_idx = list(split.eval)
-            if dc.eval_limit is not None:
-                # with per_label the limit applies to each label: a plain prefix of the label-grouped split
-                # would drop whole domains from the NLL matrix
-                if dc.per_label and spec.label:
-                    count: dict = {}
-                    kept_ev = []
-                    for i in ev_idx:
-                        count[labels[i]] = count.get(labels[i], 0) + 1
-                        if count[labels[i]] <= dc.eval_limit:
-                            kept_ev.append(i)
-                    ev_idx = kept_ev
-                else:
-                    ev_idx = ev_idx[: dc.eval_limit]
-            ev = [recs.examples[i] for i in ev_idx]
-            ev_raw = [recs.raw[i] for i in ev_idx]
-            eval_labels = [labels[i] for i in ev_idx]
-        pool_idx = split.clients
-        if dc.client_size is not None:
-            cap = dc.client_size * n_lab
-            if dc.per_label and spec.label:
-                kept, seen = [], {}
-                for i in pool_idx:
-                    if seen.get(labels[i], 0) < dc.client_size:
-                        kept.append(i)
-                        seen[labels[i]] = seen.get(labels[i], 0) + 1
-                pool_idx = kept
-            else:
-                pool_idx = pool_idx[:cap]
-        client_labels = [labels[i] for i in pool_idx]
-        kind = "iid" if fed.partition == "iid" else fed.partition
-        parts = partition(client_labels, fed.clients, kind, seed=cfg.seed, alpha=fed.dirichlet_alpha)
-        shards = [[recs.examples[pool_idx[j]] for j in part] for part in parts]
-        natural = [str(client_labels[p[0]]) for p in parts] if kind == "natural" else []
-        split_info = {"kind": dc.task, "public": len(pub), "eval": len(ev), "client_pool": len(pool_idx),
-                      "official_eval_split": official, "partition": kind, "dirichlet_alpha": fed.dirichlet_alpha,
-                      "histograms": histograms(parts, client_labels) if spec.label else [{"size": len(p)} for p in parts],
-                      "label_skew": skew(parts, client_labels) if spec.label else 0.0,
-                      "indices": split.to_dict()}
-    _check_disjoint({"public": pub, "eval": ev, "clients": [e for s in shards for e in s]})
-    tok_reports = {"public": DataReport("public tokenization"), "eval": DataReport("eval tokenization")}
-    public = tokenize(pub, tok, ml, tok_reports["public"])
-    global_eval = tokenize(ev, tok, ml, tok_reports["eval"])
+        shards = []
+        for i, f in enumerate(dc.client_files):
+            ex, reports[f"client{i}"] = load_examples(resolve(f), dc.format, dc.clients_limit)
+            shards.append(ex)
+    return _Parts(pub, ev, ev_raw, [], shards, [], {"kind": "files"})
+
+
+def _limit_eval(ev_idx: list[int], labels: list, limit: int | None, by_label: Any) -> list[int]:
+    """Apply data.eval_limit to the evaluation indices."""
+    if limit is None:
+        return ev_idx
+    # with per_label the limit applies to each label: a plain prefix of the label-grouped split
+    # would drop whole domains from the NLL matrix
+    if by_label:
+        count: dict = {}
+        kept_ev = []
+        for i in ev_idx:
+            count[labels[i]] = count.get(labels[i], 0) + 1
+            if count[labels[i]] <= limit:
+                kept_ev.append(i)
+        return kept_ev
+    return ev_idx[:limit]
+
+
+def _named_eval(cfg: ExperimentConfig, recs: Any, split: Any, official: bool, by_label: Any,
+                reports: dict[str, DataReport]) -> tuple[list[Example], list[dict], list[str | None]]:
+    """The evaluation part of a named task: its official test split, or the seeded split's eval share."""
+    dc = cfg.data
+    if official:
+        ev_recs = load_task(dc.task, "hub" if dc.source == "hub" else None, eval_split=True, limit=dc.eval_limit)
+        reports["eval"] = ev_recs.report
+        return ev_recs.examples, ev_recs.raw, ev_recs.labels
+    ev_idx = _limit_eval(list(split.eval), recs.labels, dc.eval_limit, by_label)
+    return [recs.examples[i] for i in ev_idx], [recs.raw[i] for i in ev_idx], [recs.labels[i] for i in ev_idx]
+
+
+def _cap_client_pool(pool_idx: list[int], labels: list, client_size: int | None, n_lab: int,
+                     by_label: Any) -> list[int]:
+    """Apply data.client_size to the client pool (per label with per_label)."""
+    if client_size is None:
+        return pool_idx
+    if by_label:
+        kept, seen = [], {}
+        for i in pool_idx:
+            if seen.get(labels[i], 0) < client_size:
+                kept.append(i)
+                seen[labels[i]] = seen.get(labels[i], 0) + 1
+        return kept
+    return pool_idx[: client_size * n_lab]
+
+
+def _load_named(cfg: ExperimentConfig, reports: dict[str, DataReport]) -> _Parts:
+    """A named task: its pool split by seed into public / client / eval parts, the client part partitioned."""
+    dc, fed = cfg.data, cfg.federation
+    spec = TASKS[dc.task]
+    recs = load_task(dc.task, dc.source)
+    reports["pool"] = recs.report
+    labels = recs.labels
+    by_label = dc.per_label and spec.label
+    n_lab = len(set(labels)) if by_label else 1
+    official = bool(spec.eval_local or spec.eval_hub)
+    split = split_indices(len(recs.examples), dc.public_size * n_lab, 0 if official else dc.eval_size * n_lab,
+                          cfg.seed, labels if by_label else None)
+    pub = [recs.examples[i] for i in split.public]
+    ev, ev_raw, eval_labels = _named_eval(cfg, recs, split, official, by_label, reports)
+    pool_idx = _cap_client_pool(split.clients, labels, dc.client_size, n_lab, by_label)
+    client_labels = [labels[i] for i in pool_idx]
+    kind = "iid" if fed.partition == "iid" else fed.partition
+    parts = partition(client_labels, fed.clients, kind, seed=cfg.seed, alpha=fed.dirichlet_alpha)
+    shards = [[recs.examples[pool_idx[j]] for j in part] for part in parts]
+    natural = [str(client_labels[p[0]]) for p in parts] if kind == "natural" else []
+    split_info = {"kind": dc.task, "public": len(pub), "eval": len(ev), "client_pool": len(pool_idx),
+                  "official_eval_split": official, "partition": kind, "dirichlet_alpha": fed.dirichlet_alpha,
+                  "histograms": histograms(parts, client_labels) if spec.label else [{"size": len(p)} for p in parts],
+                  "label_skew": skew(parts, client_labels) if spec.label else 0.0,
+                  "indices": split.to_dict()}
+    return _Parts(pub, ev, ev_raw, eval_labels, shards, natural, split_info)
+
+
+def _tokenize_clients(shards: list[list[Example]], natural: list[str], tok: Any, ml: int,
+                      holdout: float) -> tuple[dict, dict, dict, dict]:
+    """Each shard's held-out head and training rest as features, with per-client counts for the record."""
     train, heldout, part = {}, {}, {}
     client_label = {}
     for i, shard in enumerate(shards):
         cid = f"client{i}"
-        n_hold = int(round(len(shard) * fed.holdout))
+        n_hold = int(round(len(shard) * holdout))
         rep_h, rep_t = DataReport(f"{cid} heldout"), DataReport(f"{cid} train")
         feats_h, feats_t = tokenize(shard[:n_hold], tok, ml, rep_h), tokenize(shard[n_hold:], tok, ml, rep_t)
         if not feats_t:
@@ -141,14 +167,33 @@ def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
                      "skipped": dict(rep_h.skipped + rep_t.skipped)}
         if natural:
             client_label[cid] = natural[i]
-    if not public or not global_eval:
-        raise CidersError("public or evaluation data is empty after tokenization")
+    return train, heldout, part, client_label
+
+
+def _eval_by_label(ev: list[Example], eval_labels: list[str | None], tok: Any, ml: int) -> dict[str, list[dict]]:
+    """The evaluation examples grouped by label and tokenized (empty when the task has no labels)."""
     eval_by_label: dict[str, list[dict]] = {}
     if eval_labels and any(x is not None for x in eval_labels):
         for e, lab in zip(ev, eval_labels):
             eval_by_label.setdefault(str(lab), []).append(e)
         eval_by_label = {k: tokenize(v, tok, ml) for k, v in sorted(eval_by_label.items())}
+    return eval_by_label
+
+
+def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
+    dc, fed = cfg.data, cfg.federation
+    ml = dc.max_length
+    reports: dict[str, DataReport] = {}
+    parts = _load_custom(cfg, reports) if dc.task == "custom" else _load_named(cfg, reports)
+    _check_disjoint({"public": parts.pub, "eval": parts.ev, "clients": [e for s in parts.shards for e in s]})
+    tok_reports = {"public": DataReport("public tokenization"), "eval": DataReport("eval tokenization")}
+    public = tokenize(parts.pub, tok, ml, tok_reports["public"])
+    global_eval = tokenize(parts.ev, tok, ml, tok_reports["eval"])
+    train, heldout, part, client_label = _tokenize_clients(parts.shards, parts.natural, tok, ml, fed.holdout)
+    if not public or not global_eval:
+        raise CidersError("public or evaluation data is empty after tokenization")
+    eval_by_label = _eval_by_label(parts.ev, parts.eval_labels, tok, ml)
     info = {"reports": {k: r.to_dict() for k, r in reports.items()},
-            "tokenization": {k: r.to_dict() for k, r in tok_reports.items()}, "partition": part, "split": split_info,
-            "partition_kind": fed.partition, "max_length": ml, "client_label": client_label}
-    return FederatedData(public, global_eval, ev_raw, train, heldout, eval_by_label, client_label, info)
+            "tokenization": {k: r.to_dict() for k, r in tok_reports.items()}, "partition": part,
+            "split": parts.split_info, "partition_kind": fed.partition, "max_length": ml, "client_label": client_label}
+    return FederatedData(public, global_eval, parts.ev_raw, train, heldout, eval_by_label, client_label, info)

@@ -23,7 +23,7 @@ from ciders.errors import CidersError
 from ciders.eval.metrics import perplexity
 from ciders.fileio import append_jsonl, write_json, write_text
 from ciders.models.decompose import Decomposition, decompose
-from ciders.models.distill import TeacherCache, distill, init_state
+from ciders.models.distill import TAKDState, TeacherCache, distill, init_state
 from ciders.models.load import load_model, load_tokenizer
 from ciders.runtime import seed_everything
 from ciders.tasks.paths import resolve
@@ -56,6 +56,59 @@ def load_text(cfg: ExperimentConfig, tok) -> tuple[list[dict], list[dict], dict]
     return public, evald, info
 
 
+def _teacher_cache(cfg: ExperimentConfig, d: Decomposition, public: list[dict], pad: int,
+                   out: Path) -> TeacherCache | None:
+    """B_F(x) for every public example once, before TAKD (None with takd.teacher_cache = off)."""
+    tc = cfg.takd
+    if tc.teacher_cache == "off":
+        return None
+    bar = tqdm(total=len(public), desc="teacher cache B_F(x)", unit="ex", leave=False)
+    cache = TeacherCache.build(d, public, pad, batch_size=cfg.data.eval_batch_size, mode=tc.teacher_cache,
+                               directory=out / "teacher_cache", memory_limit_mib=tc.cache_memory_mib,
+                               progress=lambda i, n: bar.update(i - bar.n))
+    bar.close()
+    return cache
+
+
+def _bootstrap(cfg: ExperimentConfig, d: Decomposition, public: list[dict], pad: int, cache: TeacherCache | None,
+               metrics: Path) -> tuple[dict, TAKDState, list[dict], float]:
+    """The TAKD bootstrap from a fresh student state: the messenger used, the new state, the per-step
+    history and the seconds it took; each step is appended to metrics.jsonl as it finishes."""
+    tc = cfg.takd
+    state = init_state(d)
+    messenger = d.messenger_state()
+    bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
+
+    def on_step(rec: dict) -> None:
+        append_jsonl(metrics, {"event": "takd", **rec})
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", hid=f"{rec['hidden']:.3f}", kl=f"{rec['kl']:.3f}", ce=f"{rec['ce']:.3f}")
+
+    t0 = time.perf_counter()
+    state, hist = distill(d, state, messenger, public, tc, tc.bootstrap_steps, pad_id=pad, seed=cfg.seed,
+                          cache=cache, on_step=on_step)
+    bar.close()
+    return messenger, state, hist, time.perf_counter() - t0
+
+
+def _summary(cfg: ExperimentConfig, d: Decomposition, teacher: dict, before: dict, after: dict, hist: list[dict],
+             takd_s: float, cache: TeacherCache | None, t_start: float) -> dict:
+    """summary.json: the three perplexities, the TAKD run and the total seconds since `t_start`."""
+    s, tc = d.split, cfg.takd
+    return {
+        "model": cfg.model.name, "device": str(d.device), "dtype": str(d.base.dtype).replace("torch.", ""),
+        "split": {"n_layers": s.n_layers, "messenger_layers": s.messenger_layers,
+                  "student_indices": list(s.student_indices)},
+        "eval_tokens": teacher["tokens"],
+        "ppl": {"teacher_adapfu": teacher["ppl"], "student_before": before["ppl"], "student_after": after["ppl"]},
+        "nll": {"teacher_adapfu": teacher["nll"], "student_before": before["nll"], "student_after": after["nll"]},
+        "takd": {"steps": tc.bootstrap_steps, "seconds": takd_s,
+                 "first_loss": hist[0]["loss"] if hist else None, "last_loss": hist[-1]["loss"] if hist else None,
+                 "teacher_cache": cache.storage if cache else "off"},
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
 def run_prealign(cfg: ExperimentConfig, out: str | Path, log: Callable[[str], None] = print) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,15 +128,7 @@ def run_prealign(cfg: ExperimentConfig, out: str | Path, log: Callable[[str], No
     log(f"data: {len(public)} public examples, {len(evald)} evaluation examples "
         f"({info['public']['truncated'] + info['eval']['truncated']} truncated to {cfg.data.max_length} tokens)")
     pad = tok.pad_token_id
-
-    tc = cfg.takd
-    cache = None
-    if tc.teacher_cache != "off":
-        bar = tqdm(total=len(public), desc="teacher cache B_F(x)", unit="ex", leave=False)
-        cache = TeacherCache.build(d, public, pad, batch_size=cfg.data.eval_batch_size, mode=tc.teacher_cache,
-                                   directory=out / "teacher_cache", memory_limit_mib=tc.cache_memory_mib,
-                                   progress=lambda i, n: bar.update(i - bar.n))
-        bar.close()
+    cache = _teacher_cache(cfg, d, public, pad, out)
 
     def ppl(model, desc):
         r = perplexity(model, tqdm(list(batches(evald, cfg.data.eval_batch_size, pad, d.device)), desc=desc, leave=False))
@@ -92,38 +137,13 @@ def run_prealign(cfg: ExperimentConfig, out: str | Path, log: Callable[[str], No
 
     teacher = ppl(d.adapfu, "teacher (AdapFu)")
     before = ppl(d.adapemu, "student before (AdapEmu)")
-
-    state = init_state(d)
-    messenger = d.messenger_state()
-    bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
-
-    def on_step(rec: dict) -> None:
-        append_jsonl(metrics, {"event": "takd", **rec})
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", hid=f"{rec['hidden']:.3f}", kl=f"{rec['kl']:.3f}", ce=f"{rec['ce']:.3f}")
-
-    t0 = time.perf_counter()
-    state, hist = distill(d, state, messenger, public, tc, tc.bootstrap_steps, pad_id=pad, seed=cfg.seed,
-                          cache=cache, on_step=on_step)
-    bar.close()
-    takd_s = time.perf_counter() - t0
+    messenger, state, hist, takd_s = _bootstrap(cfg, d, public, pad, cache, metrics)
     d.load_student(state.student)
     after = ppl(d.adapemu, "student after (AdapEmu)")
 
     d.save_messenger(out / "adapters" / "messenger", messenger)
     d.save_student(out / "adapters" / "student", state.student)
-    summary = {
-        "model": cfg.model.name, "device": str(d.device), "dtype": str(d.base.dtype).replace("torch.", ""),
-        "split": {"n_layers": s.n_layers, "messenger_layers": s.messenger_layers,
-                  "student_indices": list(s.student_indices)},
-        "eval_tokens": teacher["tokens"],
-        "ppl": {"teacher_adapfu": teacher["ppl"], "student_before": before["ppl"], "student_after": after["ppl"]},
-        "nll": {"teacher_adapfu": teacher["nll"], "student_before": before["nll"], "student_after": after["nll"]},
-        "takd": {"steps": tc.bootstrap_steps, "seconds": takd_s,
-                 "first_loss": hist[0]["loss"] if hist else None, "last_loss": hist[-1]["loss"] if hist else None,
-                 "teacher_cache": cache.storage if cache else "off"},
-        "seconds": time.perf_counter() - t_start,
-    }
+    summary = _summary(cfg, d, teacher, before, after, hist, takd_s, cache, t_start)
     write_json(out / "summary.json", summary)
     log(render_summary(summary))
     return summary
