@@ -237,3 +237,21 @@ def test_names_declared_in_config_match_the_registries():
                    {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert {m for m in imported if m.split(".")[0] == "ciders" and not m.startswith("ciders.config")} <= \
             {"ciders.errors"}, path
+
+
+def test_the_family_is_declared_not_guessed(tmp_path):
+    from ciders.config import BilevelExperiment, family_of, load_experiment
+
+    p = tmp_path / "b.yaml"
+    p.write_text("family: bilevel\nrabo: {beta: 0.2}\n")
+    exp = load_experiment(p)
+    assert isinstance(exp, BilevelExperiment) and exp.rabo.beta == 0.2 and family_of(p) == "bilevel"
+    assert load_experiment(None).family == "ciders"
+    p.write_text("rabo: {beta: 0.2}\n")  # no family: read as CIDERS, and the error says what to add
+    with pytest.raises(ConfigError, match="unknown config key 'rabo'.*add `family: bilevel`"):
+        load_experiment(p)
+    p.write_text("family: fedx\n")
+    with pytest.raises(ConfigError, match="family: must be one of ciders, bilevel, got 'fedx'"):
+        load_experiment(p)
+    with pytest.raises(ConfigError, match="cannot be overridden"):
+        load_experiment(None, ["family=bilevel"])

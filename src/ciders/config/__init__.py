@@ -52,7 +52,23 @@ def load_experiment(path: str | Path | None, overrides: list[str] | None = None)
     for o in overrides or []:
         if o.partition("=")[0].strip() == "family":
             raise ConfigError("family: is declared by the config file and cannot be overridden with --set")
-    return load_config(path, overrides, cls=FAMILIES[fam])
+    try:
+        return load_config(path, overrides, cls=FAMILIES[fam])
+    except ConfigError as exc:
+        # a file that does not declare its family is read as CIDERS; say so when its keys are another family's
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) if path is not None else None
+        if isinstance(data, dict) and "family" not in data:
+            others = [f for f, cls in FAMILIES.items() if f != fam and set(data) <= _keys(cls)]
+            if others:
+                raise ConfigError(f"{exc}; {path} does not declare its family, so it was read as {fam}: add "
+                                  f"`family: {others[0]}` at its top level") from exc
+        raise
+
+
+def _keys(cls: type) -> set:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def loads_experiment(text: str, what: str = "config") -> Any:
