@@ -16,7 +16,8 @@ from ciders.core.wire import decode, encode
 from ciders.federation.bilevel_loop import in_process, run_bilevel
 from ciders.errors import CidersError
 from ciders.federation.inprocess import Faults
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase, method_config
+from ciders.algorithms.registry import bilevel_config as method_config
+from ciders.federation.bilevel_rounds import BilevelServer, client_phase
 from ciders.fileio import read_jsonl
 from helpers import QuadTask
 

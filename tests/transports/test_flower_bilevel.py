@@ -14,7 +14,7 @@ from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
 from ciders.federation.bilevel_loop import in_process, run_bilevel
 from ciders.federation.inprocess import Faults
 from ciders.transports.flower.exchange import FlowerExchange
-from ciders.federation.bilevel_rounds import method_config
+from ciders.algorithms.registry import bilevel_config as method_config
 from ciders.transports.flower import bilevel as fb
 from ciders.transports.flower import messages as fm
 from helpers import QuadTask

@@ -14,16 +14,11 @@ import dataclasses
 from ciders.algorithms.registry import REGISTRY, Method, get, names  # noqa: F401
 
 METHODS = names("ciders")  # the CIDERS-family methods (`ciders compare --algorithms`)
-BASELINES = tuple(m for m in METHODS if not m.startswith("ciders-"))
 
 
 def configure(cfg, method: str | None = None):
     """The effective config of `method` (default: the config's own, `cfg.algorithm.method`). Idempotent."""
     return get(method or cfg.algorithm.method, "ciders").configure(cfg)
-
-
-def method_name(cfg) -> str:
-    return cfg.algorithm.method
 
 
 def changes(before, after, prefix: str = "") -> list[str]:

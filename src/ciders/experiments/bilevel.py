@@ -16,12 +16,12 @@ def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str]
     OUT/bilevel.md: the final metric and compute / communication relative to FedMBO (Table II shape).
     `engine`: local (this process) or flower-sim (Flower's simulation runtime, one virtual SuperNode per
     client; the same numbers). `resume`: each method continues from its checkpoint (same config only)."""
-    from ciders.federation.bilevel_rounds import method_config
+    from ciders.algorithms.registry import bilevel_config
     from ciders.workloads.bilevel import build
     from ciders.errors import ConfigError
     from ciders.fileio import write_text
 
-    cfgs = {m: method_config(exp, m) for m in methods}  # unknown methods fail before anything runs
+    cfgs = {m: bilevel_config(exp, m) for m in methods}  # unknown methods fail before anything runs
     if engine not in ("local", "flower-sim"):
         raise ConfigError(f"unknown engine {engine!r}; choose local or flower-sim")
     out = Path(out)

@@ -31,20 +31,20 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
     from ciders.config import dump_yaml
     from ciders.config.bilevel import BilevelExperiment
     from ciders.experiments.bilevel import run_experiment
-    from ciders.federation.bilevel_rounds import method_config
+    from ciders.algorithms.registry import bilevel_config
     from ciders.experiments.sweep import points
 
     out = Path(out)
     pts = points(exp, grid, cls=BilevelExperiment) if grid else [("default", exp)]
     for _, c in pts:  # every method must fit every point before anything runs
         for m in methods:
-            method_config(c, m)
+            bilevel_config(c, m)
     cells: dict = {}
     for k, (name, c) in enumerate(pts):
         for seed in seeds:
             d = out / name / f"seed{seed}"
             cs = replace(c, seed=seed)
-            todo = [m for m in methods if not _done(d / m, dump_yaml(method_config(cs, m)))]
+            todo = [m for m in methods if not _done(d / m, dump_yaml(bilevel_config(cs, m)))]
             log(f"== point {k + 1}/{len(pts)} {name}, seed {seed}: running {', '.join(todo) or 'nothing (reused)'}")
             if todo:
                 run_experiment(cs, d, todo, log=log, engine=engine, resume=True)  # an interrupted run goes on

@@ -29,16 +29,11 @@ from typing import Callable, MutableMapping
 import torch
 
 from ciders.algorithms import rabo as rb
-from ciders.algorithms.registry import bilevel_config, get
+from ciders.algorithms.registry import get
 from ciders.core import masks as mk
 from ciders.core import submodel as sm
 from ciders.core.wire import PayloadError, decode, encode
 from ciders.federation.exchange import client_id, client_index
-
-def method_config(exp, method: str):
-    """The experiment with `method` as what it runs (`algorithms.registry.bilevel_config`)."""
-    return bilevel_config(exp, method)
-
 
 class _Counter:
     """Counts loss evaluations (a second-order product by autograd costs ~2 gradients, by finite

@@ -36,7 +36,6 @@ from typing import Any, Callable, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from ciders import algorithms
 from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig
 from ciders.federation.exchange import Exchange, Reply
@@ -115,7 +114,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
     cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()
     per_round = fed.per_round or len(co.ids)
-    bar = tqdm(total=(fed.rounds - co.first_round) * per_round, desc=algorithms.method_name(cfg), unit="client",
+    bar = tqdm(total=(fed.rounds - co.first_round) * per_round, desc=cfg.algorithm.method, unit="client",
                disable=not progress)
     if exchange is None:
         def client(phase: str, cid: str, msg: bytes) -> tuple[bytes, dict]:

@@ -76,6 +76,7 @@ class Checked:
     bytes_up: dict
     client_records: list
     losses: list
+    replied: tuple  # the sampled clients whose reply was accepted by the transport (in sampling order)
 
 
 # ---------------------------------------------------------------------------------------------- pure steps
@@ -132,7 +133,8 @@ def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply
             rejected[up.client_id] = "unknown client id"
         else:
             uploads.append(up)
-    return Checked(uploads, rejected, bytes_up, recs, [r.record.get("loss") for r in got])
+    return Checked(uploads, rejected, bytes_up, recs, [r.record.get("loss") for r in got],
+                   tuple(r.client_id for r in got))
 
 
 def round_records(rnd: InFlight, server_metrics: dict, takd_metrics: dict, checked: Checked) -> tuple[dict, ...]:
@@ -162,7 +164,7 @@ class Coordinator:
         committed = start_run(run, cfg, resume, log)
         if committed is None:
             for line in algorithms.changes(given, cfg):
-                log(f"{algorithms.method_name(cfg)} sets {line}")
+                log(f"{cfg.algorithm.method} sets {line}")
         self.tb = None
         if fed.tensorboard:
             from ciders.federation.tensorboard import Mirror
@@ -280,9 +282,7 @@ class Coordinator:
             self._record(rec)
         # a client that failed gets its first-contact components again; one that replied is contacted
         failed = {r.client_id for r in replies if r.error is not None}
-        contacted = (rnd.next.contacted - failed) | {r.client_id for r in replies if r.kind == "reply" and
-                                                     r.client_id in rnd.sampled and r.error is None and
-                                                     r.rejected is None}
+        contacted = (rnd.next.contacted - failed) | set(checked.replied)
         copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
         server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies,
                                                    n_clients=len(self.ids))
@@ -402,16 +402,7 @@ def client_report(store: RoundStore, cid: str) -> bytes:
     it never trained or keeps none) as wire bytes."""
     rec = store.get(cid)
     pers = alg.client_from_record(*rec).personalized if rec else None
-    return wire.encode({"personalized": pers} if pers else {}, {"client_id": cid})[0]
-
-
-def load_personalized_from(store: RoundStore, ids: list[str]) -> dict:
-    out = {}
-    for cid in ids:
-        rec = store.get(cid)
-        if rec is not None and (s := alg.client_from_record(*rec)).personalized:
-            out[cid] = s.personalized
-    return out
+    return wire.encode({"personalized": pers}, {"client_id": cid})[0]  # a None component is left out
 
 
 # ---------------------------------------------------------------------------------------------- state moves

@@ -16,7 +16,8 @@ objects in every path. A B_L layer is a new module whose base weights are the ve
 the B_F layer it was sampled from (LoRA keeps them frozen), plus its own student LoRA. The
 messenger in AdapEmu is a second module tree over the same Parameters (base and LoRA) as the
 messenger in AdapFu: it needs its own module objects only because `self_attn.layer_idx` (the KV-cache
-slot) differs between the paths (stack.md: a wrong layer_idx silently breaks cached decoding).
+slot) differs between the paths: transformers indexes the KV cache by it, so a wrong layer_idx silently breaks
+cached decoding (tests/models/test_decompose.py compares cached and uncached generation).
 """
 
 from __future__ import annotations

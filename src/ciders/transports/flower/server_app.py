@@ -28,9 +28,9 @@ def _spec_from_run_config(rc: dict) -> dict:
     overrides = [s for s in str(rc.get("set", "")).split(";") if s.strip()]
     cfg = load_experiment(Path(str(rc["config"])), overrides)
     if cfg.family == "bilevel":
-        from ciders.federation.bilevel_rounds import method_config
+        from ciders.algorithms.registry import bilevel_config
 
-        cfg = method_config(cfg, cfg.method)
+        cfg = bilevel_config(cfg, cfg.method)
     return {"config_text": dump_yaml(cfg), "out": str(rc["out"]), "resume": bool(rc.get("resume", False))}
 
 
