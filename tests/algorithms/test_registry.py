@@ -51,7 +51,8 @@ def test_configure_reads_the_config_s_own_method():
 
 def test_bilevel_config_sets_what_the_method_runs():
     exp = BilevelExperiment()
-    assert registry.bilevel_config(exp, "fedmbo").rabo.mask_rule == "full"
+    fedmbo = registry.bilevel_config(exp, "fedmbo")
+    assert fedmbo.rabo.mask_rule == "full" and fedmbo.rabo.method == "fedmbo" and fedmbo.method == "fedmbo"
     assert registry.bilevel_config(exp, "rafbo").rabo.method == "rafbo"
     with pytest.raises(ConfigError, match="dist-maml is a baseline of the fewshot task"):
         registry.bilevel_config(replace(exp, task=replace(exp.task, kind="losstune"),

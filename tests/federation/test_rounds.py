@@ -66,3 +66,39 @@ def test_late_and_duplicated_deliveries_are_checked_by_their_content(tmp_path):
     checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
     assert [u.client_id for u in checked.uploads] == [a, b, b]
     assert len(checked.client_records) == 1 and list(checked.rejected) == ["#0"]
+
+
+def test_a_late_or_copied_upload_of_an_unregistered_client_is_rejected(tmp_path):
+    cfg, task, ref, rnd, ups = one_round(tmp_path)
+    a, b, c = rnd.sampled
+    known = {a: 10, b: 10}  # c is not registered with this server
+    checked = check_uploads(cfg.algorithm, ref, known, rnd, [Reply(a, *ups[a]), Reply(c, ups[c][0], {}, kind="copy")])
+    assert [u.client_id for u in checked.uploads] == [a] and checked.rejected == {c: "unknown client id"}
+
+
+class StaticTask(VectorTask):
+    """VectorTask with a static downlink component (sent at first contact only, like a fixed B_L)."""
+
+    def downlink_extra(self, extra) -> dict:
+        return {"emulator": {"w": torch.ones(4, dtype=torch.float64)}}
+
+    def static_extra(self):
+        return {"emulator"}
+
+
+def test_a_client_that_failed_gets_its_first_contact_components_again(tmp_path):
+    """Its error may mean it lost them (a restarted node without its state directory)."""
+    from ciders.federation.inprocess import Faults
+    from ciders.federation.loop import run_federation
+    from ciders.fileio import read_jsonl
+
+    def run(out, faults):
+        run_federation(load_config(None, VEC + ["federation.rounds=3"]), StaticTask(3), out, faults=faults,
+                       progress=False, log=lambda s: None)
+        rows = read_jsonl(out / "metrics.jsonl")
+        return [("emulator" in r["bytes_down"]) for r in rows if r["event"] == "round"], \
+            [r for r in rows if r["event"] == "server"]
+
+    assert run(tmp_path / "ok", Faults())[0] == [True, False, False]
+    sent, server = run(tmp_path / "fail", Faults(error={(1, "c0001")}))  # contacted in round 0, fails in 1
+    assert sent == [True, False, True] and "client error" in server[1]["rejected"]["c0001"]

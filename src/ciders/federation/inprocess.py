@@ -26,6 +26,7 @@ class Faults:
     duplicate: set = field(default_factory=set)  # the reply arrives twice
     delay: set = field(default_factory=set)  # the reply arrives in the same phase of the next round
     corrupt: set = field(default_factory=set)  # the reply is replaced by `corrupt(reply)` (the exchange's)
+    error: set = field(default_factory=set)  # the client reports a failure instead of its reply
     crash: tuple[int, str] | None = None  # (round, point): client:<k>, then the server's named points
 
     def maybe_crash(self, t: int, point: str) -> None:
@@ -57,6 +58,8 @@ class InProcess:
             if f.hit(f.delay, t, phase, cid):
                 if up:
                     self.late.setdefault(phase, []).append(Reply(cid, up, {}, kind="late"))
+            elif f.hit(f.error, t, phase, cid):
+                replies.append(Reply(cid, error="simulated client failure"))
             elif not f.hit(f.drop, t, phase, cid):
                 replies.append(Reply(cid, up, rec))
                 if f.hit(f.duplicate, t, phase, cid) and up:
