@@ -44,7 +44,7 @@ def main() -> None:
     msg = d.messenger_state()
     server = alg.init_server(msg, 10)
     bc = alg.make_broadcast(base, server, alg.init_copy(msg))
-    client = alg.init_client("c", 10, msg)
+    client = alg.init_client("c", msg)
     params = d.messenger_params()
     d.set_trainable(messenger=True, student=False)
     opt = torch.optim.AdamW(list(params.values()), lr=1e-4, weight_decay=0.01)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from ciders.algorithms import ciders as alg
 from ciders.algorithms.ciders import ServerState
+from ciders.config import CidersConfig
 from ciders.runtime import derive_seed
 
 
@@ -70,3 +72,67 @@ class VectorTask:
         if personalized:
             out["personalized_loss"] = float(sum(self.loss(c, p["x"]) for c, p in personalized.items()) / len(personalized))
         return out
+
+
+# ------------------------------------------------------------------ CIDERS update fixtures (pure functions)
+
+
+def cfg(**kw):
+    base = dict(local_steps=3, optimizer="sgd", lr=0.05, weight_decay=0.0, max_grad_norm=0.0, schedule="constant",
+                eta_in=0.02, gamma=0.3, alpha=0.2, tau=0.5, eps_prox=0.1)
+    base.update(kw)
+    c = CidersConfig(**base)
+    c.validate()
+    return c
+
+
+def quad_clients(n=4, dim=6, seed=0):
+    """Quadratics with different Hessians: curvature makes every path nontrivial."""
+    g = torch.Generator().manual_seed(seed)
+    fns = []
+    for _ in range(n):
+        m = torch.randn(dim, dim, generator=g, dtype=torch.float64)
+        h = m @ m.T / dim + 0.5 * torch.eye(dim, dtype=torch.float64)
+        b = torch.randn(dim, generator=g, dtype=torch.float64)
+        fns.append(lambda p, batch, h=h, b=b: 0.5 * (p["x"] - b) @ h @ (p["x"] - b) + (batch or 0.0) * p["x"].sum())
+    return fns
+
+
+def setup(n=4, dim=6, rounds=20, sizes=None):
+    w0 = {"x": torch.zeros(6, dtype=torch.float64)}
+    ids = [f"c{i}" for i in range(n)]
+    sizes = sizes or [1] * n
+    SIZES.clear()
+    SIZES.update(zip(ids, sizes))  # the registered |D_i| the server weighs by
+    return (alg.init_server(w0, rounds), {i: alg.init_copy(w0) for i in ids},
+            {i: alg.init_client(i, w0) for i in ids}, ids)
+
+
+SIZES: dict[str, int] = {}
+
+
+# ------------------------------------------------------------------ one CIDERS round as messages (federation.rounds)
+
+VEC = ["federation.clients=3", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",
+       "algorithm.lr=0.05", "algorithm.gamma=0.3"]
+
+
+def one_round(tmp_path):
+    """The first round's uploads of 3 of 4 VectorTask clients: (cfg, task, ref, the InFlight round, {cid:
+    (upload bytes, record)})."""
+    from ciders.algorithms import configure
+    from ciders.config import load_config
+    from ciders.core.store import RoundStore
+    from ciders.federation.rounds import InFlight, RunState, broadcast_message, client_round
+
+    cfg, task = configure(load_config(None, VEC)), VectorTask(4)
+    ref = task.initial_messenger()
+    state = RunState(-1, alg.init_server(ref, cfg.federation.rounds), None, frozenset())
+    sampled = tuple(task.ids[:3])
+    rnd = InFlight(0, sampled, 0.0, {}, next=state)
+    store = RoundStore(tmp_path, -1)
+    ups = {}
+    for cid in sampled:
+        msg, _, _ = broadcast_message(cfg.algorithm, state, alg.init_copy(ref), cid, {}, set())
+        ups[cid] = client_round(cfg, task, store, cid, msg, {})
+    return cfg, task, ref, rnd, ups

@@ -36,7 +36,7 @@ def rounds(cfg, task, ids, n_rounds, sampled=None):
     acfg = cfg.algorithm
     server = alg.init_server(task.initial_messenger(), n_rounds)
     sizes = task.clients()
-    clients = {c: alg.init_client(c, sizes[c], server.messenger) for c in ids}
+    clients = {c: alg.init_client(c, server.messenger) for c in ids}
     copies = {c: alg.init_copy(server.messenger) for c in ids}
     for t in range(n_rounds):
         who = sampled[t] if sampled else ids
@@ -46,7 +46,7 @@ def rounds(cfg, task, ids, n_rounds, sampled=None):
             up, clients[c], _ = alg.client_update(acfg, b, clients[c], task.loss_fn(c), task.batches(c, t, K, 0))
             ups.append(up)
         if acfg.communicate:
-            server, new, _ = alg.server_update(acfg, server, ups, {c: copies[c] for c in who}, n_clients=len(ids))
+            server, new, _ = alg.server_update(acfg, server, ups, {c: copies[c] for c in who}, {c: sizes[c] for c in ids})
             copies.update(new)
     return server, clients
 

@@ -7,27 +7,7 @@ from ciders.algorithms import ciders as alg
 from ciders.config import CidersConfig
 from ciders.core.tensors import equal, lincomb, max_abs_diff
 from ciders.experiments.theory import run_theory
-
-
-def cfg(**kw):
-    base = dict(local_steps=3, optimizer="sgd", lr=0.05, weight_decay=0.0, max_grad_norm=0.0, schedule="constant",
-                eta_in=0.02, gamma=0.3, alpha=0.2, tau=0.5, eps_prox=0.1)
-    base.update(kw)
-    c = CidersConfig(**base)
-    c.validate()
-    return c
-
-
-def quad_clients(n=4, dim=6, seed=0):
-    """Quadratics with different Hessians: curvature makes every path nontrivial."""
-    g = torch.Generator().manual_seed(seed)
-    fns = []
-    for _ in range(n):
-        m = torch.randn(dim, dim, generator=g, dtype=torch.float64)
-        h = m @ m.T / dim + 0.5 * torch.eye(dim, dtype=torch.float64)
-        b = torch.randn(dim, generator=g, dtype=torch.float64)
-        fns.append(lambda p, batch, h=h, b=b: 0.5 * (p["x"] - b) @ h @ (p["x"] - b) + (batch or 0.0) * p["x"].sum())
-    return fns
+from synthetic import SIZES, cfg, quad_clients, setup
 
 
 def run_round(c, server, copies, states, fns, ids, batches=None):
@@ -40,12 +20,6 @@ def run_round(c, server, copies, states, fns, ids, batches=None):
     return ups, metrics
 
 
-def setup(n=4, dim=6, rounds=20, sizes=None):
-    w0 = {"x": torch.zeros(6, dtype=torch.float64)}
-    ids = [f"c{i}" for i in range(n)]
-    sizes = sizes or [1] * n
-    return (alg.init_server(w0, rounds), {i: alg.init_copy(w0) for i in ids},
-            {i: alg.init_client(i, s, w0) for i, s in zip(ids, sizes)}, ids)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -62,7 +36,7 @@ def test_eq11_reconstruction_equals_the_true_displacement(opt):
             true = lincomb([(1 / (c.local_steps * eta_bar), w), (-1 / (c.local_steps * eta_bar), states[cid].personalized)])
             rec = alg.cs.reconstruct(up.dc, copies[cid].c_i, server.c, c.alpha, gamma)
             assert max_abs_diff(rec, true) < 1e-9
-        server, copies, m = alg.server_update(c, server, ups, copies)
+        server, copies, m = alg.server_update(c, server, ups, copies, SIZES)
         assert m["accepted"] == ids
     # after the next contact the client's committed copy equals the server's, bit for bit
     run_round(c, server, copies, states, fns, ids)
@@ -78,7 +52,7 @@ def test_reduces_to_fedavg():
         ups, _ = run_round(c, server, copies, states, fns, ids)
         xs = [states[i].personalized for i in ids]
         fedavg = lincomb([(n / 10, x) for n, x in zip([1, 2, 3, 4], xs)])
-        server, copies, _ = alg.server_update(c, server, ups, copies)
+        server, copies, _ = alg.server_update(c, server, ups, copies, SIZES)
         assert max_abs_diff(server.messenger, fedavg) < 1e-12
 
 
@@ -90,7 +64,7 @@ def test_fd_with_zero_hvp_weight_is_fo():
         server, copies, states, ids = setup()
         for _ in range(3):
             ups, ms = run_round(c, server, copies, states, fns, ids)
-            server, copies, _ = alg.server_update(c, server, ups, copies)
+            server, copies, _ = alg.server_update(c, server, ups, copies, SIZES)
         outs.append(server)
         if kind == "fd":
             assert all(s["r_fd"] == 0 for m in ms for s in m["steps"]) and ms[0]["r_fd_small"] == c.local_steps
@@ -132,7 +106,7 @@ def test_lost_duplicated_and_late_uploads_keep_copies_in_sync():
             delivered.remove(ups[2])
         if t == 4:
             delivered.append(held)  # ... in the next round (its id is also in this round's uploads)
-        server, copies, m = alg.server_update(c, server, delivered, copies)
+        server, copies, m = alg.server_update(c, server, delivered, copies, SIZES)
         if t == 2:
             assert "duplicate" in m["rejected"]["c1"]
         if t == 4:
@@ -149,9 +123,9 @@ def test_late_upload_alone_is_rejected_without_side_effects():
     fns = quad_clients()
     server, copies, states, ids = setup()
     ups, _ = run_round(c, server, copies, states, fns, ids)
-    server, copies, _ = alg.server_update(c, server, ups[1:], copies)  # c0's upload missed round 0
+    server, copies, _ = alg.server_update(c, server, ups[1:], copies, SIZES)  # c0's upload missed round 0
     before = (server.messenger, server.c, copies["c0"])
-    server2, copies2, m = alg.server_update(c, server, [ups[0]], copies)
+    server2, copies2, m = alg.server_update(c, server, [ups[0]], copies, SIZES)
     assert m["accepted"] == [] and "late" in m["rejected"]["c0"]
     assert equal(server2.messenger, before[0]) and equal(server2.c, before[1]) and copies2["c0"] is before[2]
 
@@ -163,15 +137,15 @@ def test_client_restored_from_an_old_snapshot_resyncs():
     snapshot = states["c0"]
     for _ in range(3):
         ups, _ = run_round(c, server, copies, states, fns, ids)
-        server, copies, _ = alg.server_update(c, server, ups, copies)
+        server, copies, _ = alg.server_update(c, server, ups, copies, SIZES)
     states["c0"] = snapshot  # the device lost its disk state and restored a 3-round-old copy
     ups, ms = run_round(c, server, copies, states, fns, ids)
     assert ups[0].resync_request and ms[0]["resync_request"]
-    server, copies, m = alg.server_update(c, server, ups, copies)
+    server, copies, m = alg.server_update(c, server, ups, copies, SIZES)
     assert "resync requested" in m["rejected"]["c0"] and copies["c0"].needs_resync
     ups, _ = run_round(c, server, copies, states, fns, ids)  # this broadcast carries the server's copy
     assert not ups[0].resync_request
-    server, copies, m = alg.server_update(c, server, ups, copies)
+    server, copies, m = alg.server_update(c, server, ups, copies, SIZES)
     assert "c0" in m["accepted"] and not copies["c0"].needs_resync
     run_round(c, server, copies, states, fns, ids)
     assert equal(states["c0"].c_i, copies["c0"].c_i)
@@ -185,8 +159,8 @@ def test_malformed_uploads_never_touch_global_state():
     bad = [replace(ups[0], dc={"x": torch.full((6,), float("nan"), dtype=torch.float64)}),
            replace(ups[1], dc={"y": torch.zeros(6, dtype=torch.float64)}),
            replace(ups[2], dc={"x": torch.zeros(5, dtype=torch.float64)}),
-           replace(ups[3], n_examples=0)]
-    s2, cp2, m = alg.server_update(c, server, bad, copies)
+           replace(ups[3], client_id="c9")]  # not a registered client
+    s2, cp2, m = alg.server_update(c, server, bad, copies, SIZES)
     assert m["accepted"] == [] and len(m["rejected"]) == 4
     assert equal(s2.messenger, server.messenger) and all(cp2[i] is copies[i] for i in ids)
 
@@ -196,7 +170,7 @@ def test_partial_participation_renormalises_p():
     fns = quad_clients()
     server, copies, states, ids = setup(sizes=[1, 1, 2, 4])
     ups, _ = run_round(c, server, copies, states, fns, ids[2:])
-    s2, _, m = alg.server_update(c, server, ups, copies)
+    s2, _, m = alg.server_update(c, server, ups, copies, SIZES)
     assert m["p"] == {"c2": pytest.approx(1 / 3), "c3": pytest.approx(2 / 3)}
 
 
@@ -209,7 +183,7 @@ def test_client_round_metrics_and_determinism():
         all_m = []
         for _ in range(3):
             ups, ms = run_round(c, server, copies, states, fns, ids)
-            server, copies, sm = alg.server_update(c, server, ups, copies)
+            server, copies, sm = alg.server_update(c, server, ups, copies, SIZES)
             all_m.append((ms, sm))
         runs.append(all_m)
     assert runs[0] == runs[1]

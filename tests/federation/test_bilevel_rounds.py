@@ -1,4 +1,3 @@
-import dataclasses
 """The bilevel round as messages (federation.bilevel_rounds) against the algorithm called directly: the wire
 and the masks' packing change no number; lost and malformed replies are left out of the round exactly
 as if they never arrived; the full-model baselines are FedAvg of their local steps."""
@@ -17,7 +16,7 @@ from ciders.federation.bilevel_loop import in_process, run_bilevel
 from ciders.errors import CidersError
 from ciders.federation.inprocess import Faults
 from ciders.algorithms.registry import bilevel_config as method_config
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase
+from ciders.federation.bilevel_rounds import BilevelServer, client_phase, client_record, kept_fraction
 from ciders.fileio import read_jsonl
 from helpers import QuadTask
 
@@ -80,7 +79,16 @@ def _stale(up):
     return encode(comps, {**meta, "round": meta["round"] - 1})[0]
 
 
-@pytest.mark.parametrize("bad,why", [(_nan, "NaN"), (_short, "expected"), (_stale, "expected round 1")])
+def _huge(value):
+    def f(up):
+        comps, meta = decode(up)
+        return encode({n: {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in st.items()}
+                       for n, st in comps.items()}, meta)[0]
+    return f
+
+
+@pytest.mark.parametrize("bad,why", [(_nan, "NaN"), (_short, "expected"), (_stale, "expected round 1"),
+                                     (_huge(1e30), "exceeds max_step_ratio"), (_huge(1e300), "not finite")])
 def test_a_malformed_reply_is_rejected_and_changes_nothing(tmp_path, bad, why):
     """Client 2's round-1 outer reply is tampered with: it is rejected with a reason, and the run equals
     the one in which that reply was lost."""
@@ -91,7 +99,7 @@ def test_a_malformed_reply_is_rejected_and_changes_nothing(tmp_path, bad, why):
     def tamper(phase, q, messages):
         out = base(phase, q, messages)
         if (q, phase) == (1, "outer"):
-            out = [dataclasses.replace(r, payload=bad(r.payload)) if r.client_id == "client2" else r for r in out]
+            out = [replace(r, payload=bad(r.payload)) if r.client_id == "client2" else r for r in out]
         return out
 
     logs = []
@@ -99,6 +107,37 @@ def test_a_malformed_reply_is_rejected_and_changes_nothing(tmp_path, bad, why):
     run_bilevel(exp, task, tmp_path / "lost", log=lambda s: None, exchange=in_process(exp, task, Faults(drop={(1, "outer", "client2")})))
     assert any("rejected the reply of client2" in line and why in line for line in logs), logs
     assert (tmp_path / "bad" / "final.safetensors").read_bytes() == (tmp_path / "lost" / "final.safetensors").read_bytes()
+
+
+def test_a_huge_local_model_is_rejected_like_a_lost_one(tmp_path):
+    """The full-model baselines: a client returning a finite but huge model cannot move the mean."""
+    exp, task = exp_for("dist-maml", rounds=1), QuadTask()
+    base = in_process(exp, task)
+
+    def tamper(phase, q, messages):
+        return [replace(r, payload=_huge(1e30)(r.payload)) if r.client_id == "client1" else r
+                for r in base(phase, q, messages)]
+
+    logs = []
+    run_bilevel(exp, task, tmp_path / "bad", log=logs.append, exchange=tamper)
+    run_bilevel(exp, task, tmp_path / "lost", log=lambda s: None,
+                exchange=in_process(exp, task, Faults(drop={(0, "local", "client1")})))
+    assert any("client1" in line and "exceeds max_step_ratio" in line for line in logs), logs
+    assert (tmp_path / "bad" / "final.safetensors").read_bytes() == (tmp_path / "lost" / "final.safetensors").read_bytes()
+
+
+def test_a_non_finite_server_step_keeps_the_state(monkeypatch):
+    """Defence in depth: should the aggregate itself overflow, the step is rejected whole and the state
+    stays (the per-reply bound makes this hard to reach with real replies, so the step is forced here)."""
+    exp, task = exp_for("rabo", rounds=1), QuadTask()
+    server = BilevelServer(exp, task, log=lambda s: None)
+    server.begin(0)
+    replies = {i: client_phase(exp, task, "inner", i, server.down("inner", i), {})[0] for i in server.ids}
+    monkeypatch.setattr(rb, "server_inner", lambda cfg, base, vals, used: (
+        rb.BilevelState(base.round, base.x, {k: v + float("inf") for k, v in base.y.items()}), {}))
+    rejected = server.absorb("inner", replies)
+    assert set(rejected) == set(server.ids) and all("not finite" in why for why in rejected.values())
+    assert equal(server.round.mid.y, server.state.y) and server.round.stats["inner_clients"] == []
 
 
 def test_only_kept_entries_travel():
@@ -110,7 +149,10 @@ def test_only_kept_entries_travel():
     assert comps["x"]["enc.weight"].numel() == 3 and comps["y"]["head.weight"].numel() == 4
     up, rec = client_phase(exp, task, "inner", "client2", server.down("inner", "client2"), {})
     assert decode(up)[0]["G"]["head.weight"].numel() == int(m.y["head.weight"].sum()) == 4
-    assert rec["bytes_down"] == len(server.down("inner", "client2")) and rec["bytes_up"] == len(up)
+    assert "bytes_up" not in rec and "kept_fraction" not in rec  # the server counts and knows these itself
+    full_rec = client_record(server, "inner", "client2", rec, len(server.down("inner", "client2")), len(up))
+    assert full_rec["bytes_down"] == len(server.down("inner", "client2")) and full_rec["bytes_up"] == len(up)
+    assert full_rec["kept_fraction"] == kept_fraction(m) and full_rec["capacity"] == 0.25
     full = BilevelServer(exp_for("fedmbo"), task, log=lambda s: None)
     full.begin(0)
     assert len(server.down("inner", "client2")) < len(full.down("inner", "client2"))

@@ -99,6 +99,30 @@ def test_channel_faults_keep_every_consensus_copy_in_sync(tmp_path):
     assert versions == {"c0000": 4, "c0001": 6, "c0002": 4, "c0003": 6, "c0004": 5}
 
 
+@pytest.mark.parametrize("ratio", ["10.0", "null"])
+def test_a_huge_upload_is_refused_by_the_engine_and_the_run_goes_on(tmp_path, monkeypatch, ratio):
+    """c0002's round-1 upload is replaced by a finite but huge increment: with the default bound the server
+    refuses it and every later round trains; with the bound off (null) it is accepted (the key is wired)."""
+    import torch
+
+    from ciders.federation import loop
+
+    def huge(upmsg, ref):
+        up = alg.decode_upload(upmsg, ref)
+        return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+                                            {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
+
+    monkeypatch.setattr(loop, "_nan_upload", huge)
+    cfg = vec_cfg("federation.per_round=null", f"federation.max_step_ratio={ratio}")
+    run_vec(tmp_path / "r", Faults(corrupt={(1, "c0002")}), cfg=cfg)
+    server = {r["round"]: r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r["event"] == "server"}
+    if ratio == "null":
+        assert "c0002" in server[1]["accepted"]
+        return
+    assert "exceeds max_step_ratio" in server[1]["rejected"]["c0002"] and len(server[1]["accepted"]) == 4
+    assert all(len(server[t]["accepted"]) == 5 for t in (2, 3)) and server[3]["c_norm"] < 1e3
+
+
 def test_reconstruction_through_the_engine_equals_the_client_displacement(tmp_path):
     """Eq. 11 on the server side equals the client's true (w - x_K) / (K eta_bar), round after round."""
     cfg = vec_cfg("federation.per_round=null", "federation.rounds=5", "algorithm.tau=1.0", "algorithm.gamma=0.0",

@@ -4,36 +4,16 @@ does not. Each bad delivery is one a hostile or broken client or transport can p
 import torch
 
 from ciders.algorithms import ciders as alg
-from ciders.algorithms import configure
 from ciders.config import load_config
-from ciders.core.store import RoundStore
 from ciders.federation.exchange import Reply
-from ciders.federation.rounds import InFlight, RunState, broadcast_message, check_uploads, client_round
-from synthetic import VectorTask
-
-VEC = ["federation.clients=3", "federation.rounds=2", "algorithm.local_steps=2", "algorithm.optimizer=sgd",
-       "algorithm.lr=0.05", "algorithm.gamma=0.3"]
-
-
-def one_round(tmp_path):
-    cfg, task = configure(load_config(None, VEC)), VectorTask(4)
-    ref = task.initial_messenger()
-    state = RunState(-1, alg.init_server(ref, cfg.federation.rounds), None, frozenset())
-    sampled = tuple(task.ids[:3])
-    rnd = InFlight(0, sampled, 0.0, {}, next=state)
-    store = RoundStore(tmp_path, -1)
-    ups = {}
-    for cid in sampled:
-        msg, _, _ = broadcast_message(cfg.algorithm, state, alg.init_copy(ref), cid, {}, set())
-        ups[cid] = client_round(cfg, task, store, cid, task.clients()[cid], msg, {})
-    return cfg, task, ref, rnd, ups
-
+from ciders.federation.rounds import check_uploads
+from synthetic import VEC, VectorTask, one_round
 
 def test_only_valid_uploads_of_sampled_clients_reach_the_server(tmp_path):
     cfg, task, ref, rnd, ups = one_round(tmp_path)
     a, b, c = rnd.sampled
     nan = alg.decode_upload(ups[c][0], ref)
-    nan = alg.encode_upload(alg.Upload(nan.client_id, nan.round, nan.base_version, nan.n_examples,
+    nan = alg.encode_upload(alg.Upload(nan.client_id, nan.round, nan.base_version,
                                        {k: torch.full_like(v, float("nan")) for k, v in nan.dc.items()}))[0]
     replies = [Reply(b, ups[a][0], ups[b][1]),  # b's node sends a's upload: claims another id
                Reply(a, *ups[a]),  # fine (arrives after b, is taken in sampling order)

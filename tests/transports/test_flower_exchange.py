@@ -82,7 +82,7 @@ class InProcessGrid:
             store = self.stores[cid]
             store.recover(f["committed"])
             store.commit(f["committed"])
-            up, rec = client_round(self.cfg, self.task, store, cid, self.task.clients()[cid],
+            up, rec = client_round(self.cfg, self.task, store, cid,
                                    fm.payload_of(m.content), {})
             rep = Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=m)
             fix = self.tamper.get((f["round"], cid))
@@ -176,13 +176,13 @@ def _with_payload(payload: bytes):
 def test_bad_replies_are_rejected_logged_and_change_nothing(tmp_path):
     def wrong_dtype(m, up, rec):
         u = alg.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
-        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version, u.n_examples,
+        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
                                            {"x": u.dc["x"].float()}))[0]
         return _with_payload(bad)(m, up, rec)
 
     def nan(m, up, rec):
         u = alg.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
-        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version, u.n_examples,
+        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
                                            {"x": torch.full_like(u.dc["x"], float("nan"))}))[0]
         return _with_payload(bad)(m, up, rec)
 

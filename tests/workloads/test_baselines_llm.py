@@ -33,10 +33,14 @@ def run(tmp_path, method, *extra):
 
 
 def fedavg_of_clients(out):
+    """FedAvg of the clients' last x_K, weighted by the registered partition sizes |D_i|."""
+    from ciders.workloads.llm import LLMTask
+
+    sizes = LLMTask(load_config(out / "config.yaml"), out.parent / "sizes", log=lambda s: None).clients()
     store = RoundStore(out / "clients", RunDir(out).committed())
-    states = [alg.client_from_record(*store.get(c)) for c in ("client0", "client1")]
-    n = sum(s.n_examples for s in states)
-    return {k: sum(s.n_examples * s.personalized[k] for s in states) / n for k in states[0].personalized}
+    states = {c: alg.client_from_record(*store.get(c)) for c in ("client0", "client1")}
+    n = sum(sizes[c] for c in states)
+    return {k: sum(sizes[c] * s.personalized[k] for c, s in states.items()) / n for k in states["client0"].personalized}
 
 
 def ckpt(out, t):

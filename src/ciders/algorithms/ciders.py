@@ -11,19 +11,26 @@ then Delta_i (Eq. 8, eta_bar = mean of the round's K learning rates), c_i' (Eq. 
 Server: Eq. 11 reconstruction from its copy of c_i, Eq. 12 aggregation. TAKD (Eq. 13) is the LLM layer's
 job, after `server_update`.
 
-Consensus bookkeeping survives faults (lost, duplicated or late uploads, client restarts): every copy
-of c_i carries a version. The client does not change its committed c_i when it uploads; it keeps the
-increment as *pending*. The server applies an upload only if it is for the current round and was
-computed from the server's current version; the next broadcast to that client carries the server's
-version, from which the client commits (server applied it) or drops (server did not) the pending
-increment. Any other mismatch (e.g. a client restored from an old snapshot) makes the client ask for
-a resync, and its next broadcast carries the server's copy. Both copies stay bit-identical.
+Consensus bookkeeping survives faults (lost, duplicated or late uploads, client restores, server
+restarts): every copy of c_i carries a version. The client does not change its committed c_i when it
+uploads; it keeps the increment as *pending*. The server applies an upload only if it is for the current
+round and was computed from the server's current version, and remembers which one it applied (its round
+and a digest of dc_i). The next broadcast to that client carries the server's version, that
+acknowledgement and a digest of the server's copy of c_i: the client commits the pending increment only
+if the acknowledgement names exactly that increment, drops it if the version did not move, and then
+compares digests; any mismatch (e.g. a client restored from an old snapshot whose pending increment
+is not the one the server applied) makes it ask for a resync, and its next broadcast carries the
+server's copy. Both copies stay bit-identical (docs/method.md#consensus-copies-under-faults).
+
+The server weighs client i by the size of its data as the server registered it (p_i, Eq. 12), never by
+anything the upload claims, and rejects an upload whose implied step is not finite or too large
+(`core.aggregate.step_check`) or whose round's aggregate is not finite (docs/security.md#aggregation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -34,7 +41,7 @@ from ciders.core import optim
 from ciders.core.diagnostics import RoundStats
 from ciders.core.metagrad import fd_class, metagrad
 from ciders.core.schedules import gamma_at, lr_at
-from ciders.core.tensors import State, clone, lincomb, norm, zeros_like
+from ciders.core.tensors import State, clone, digest, lincomb, norm, zeros_like
 
 LossFn = Callable[[State, Any], torch.Tensor]
 
@@ -54,6 +61,8 @@ class Broadcast:
     eta_ins: tuple[float, ...]  # look-ahead step of each update (same schedule)
     version: int = 0  # server's committed version of this client's c_i
     resync: State | None = None  # the server's copy of c_i, sent only after a mismatch
+    applied: tuple[int, str] | None = None  # (round, digest of dc_i) of the upload that made `version`
+    c_i_digest: str | None = None  # digest of the server's copy of c_i (None: not checked)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,6 @@ class Upload:
     client_id: str
     round: int
     base_version: int
-    n_examples: int
     dc: State | None = None  # Eq. 10; None for a resync request
     resync_request: bool = False
     personalized: State | None = None  # x_K, only with upload_personalized_messenger
@@ -79,7 +87,6 @@ class Pending:
 @dataclass(frozen=True)
 class ClientState:
     client_id: str
-    n_examples: int
     c_i: State  # committed local consensus variate
     version: int = 0
     pending: Pending | None = None
@@ -93,6 +100,7 @@ class ServerCopy:
     c_i: State
     version: int = 0
     needs_resync: bool = False
+    applied: tuple[int, str] | None = None  # (round, digest of dc_i) of the last upload applied
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,8 @@ class ServerState:
     c: State
 
 
-def init_client(client_id: str, n_examples: int, messenger: State) -> ClientState:
-    return ClientState(client_id, n_examples, zeros_like(messenger))
+def init_client(client_id: str, messenger: State) -> ClientState:
+    return ClientState(client_id, zeros_like(messenger))
 
 
 def init_server(messenger: State, total_rounds: int) -> ServerState:
@@ -134,22 +142,28 @@ def make_broadcast(cfg: CidersConfig, state: ServerState, copy: ServerCopy) -> B
     lrs, eta_ins, gamma = round_schedule(cfg, state.round, state.total_rounds)
     c = state.c if cfg.uses_consensus() else None  # not sent when no client can use it
     return Broadcast(state.round, state.messenger, c, gamma, lrs, eta_ins, copy.version,
-                     resync=copy.c_i if copy.needs_resync else None)
+                     resync=copy.c_i if copy.needs_resync else None, applied=copy.applied,
+                     c_i_digest=digest(copy.c_i))
 
 
 # ------------------------------------------------------------------------------------------ client
 
 
 def reconcile(state: ClientState, b: Broadcast) -> ClientState | None:
-    """Bring the client's committed c_i to the server's version, or None if only a resync can."""
+    """Bring the client's committed c_i to the server's version, or None if only a resync can: the
+    pending increment is committed only if the server acknowledges exactly it (its round and digest),
+    and whatever the client ends with must match the digest of the server's copy."""
     if b.resync is not None:
         return replace(state, c_i=clone(b.resync), version=b.version, pending=None)
-    p = state.pending
-    if p is not None and p.base_version == state.version and b.version == state.version + 1:
-        return replace(state, c_i=_commit(state.c_i, p.dc), version=b.version, pending=None)
-    if b.version == state.version:
-        return replace(state, pending=None)  # the pending increment was never applied
-    return None
+    p, st = state.pending, None
+    if (p is not None and p.base_version == state.version and b.version == state.version + 1
+            and b.applied == (p.round, digest(p.dc))):
+        st = replace(state, c_i=_commit(state.c_i, p.dc), version=b.version, pending=None)
+    elif b.version == state.version:
+        st = replace(state, pending=None)  # the pending increment was never applied
+    if st is None or (b.c_i_digest is not None and digest(st.c_i) != b.c_i_digest):
+        return None
+    return st
 
 
 def _commit(c_i: State, dc: State) -> State:
@@ -169,7 +183,7 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
     """K consensus-corrected meta-gradient steps (Eq. 4) on `batches` (K * grad_accum of them)."""
     st = reconcile(state, b)
     if st is None:  # versions disagree in a way no pending increment explains
-        up = Upload(state.client_id, b.round, state.version, state.n_examples, resync_request=True)
+        up = Upload(state.client_id, b.round, state.version, resync_request=True)
         return up, replace(state, pending=None), {"client": state.client_id, "round": b.round, "resync_request": True}
     k_steps, accum = cfg.local_steps, cfg.grad_accum
     if len(batches) != k_steps * accum:
@@ -212,7 +226,7 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
     c_i_new = cs.client_consensus(c_i, delta, c, cfg.alpha, gamma)  # Eq. 9
     dc = cs.increment(c_i_new, c_i)  # Eq. 10
     new_state = replace(st, pending=Pending(dc, st.version, b.round), personalized=x)
-    up = Upload(st.client_id, b.round, st.version, st.n_examples, dc=dc,
+    up = Upload(st.client_id, b.round, st.version, dc=dc,
                 personalized=x if cfg.upload_personalized_messenger else None)
     summary = {"client": st.client_id, "round": b.round, "gamma": gamma, "eta_bar": eta_bar,
                "loss": sum(s["loss"] for s in steps) / k_steps, "c_norm": norm(c), "c_i_norm": norm(c_i),
@@ -245,52 +259,69 @@ def check_upload(up: Upload, state: ServerState, copy: ServerCopy) -> str | None
             return f"consensus increment {k!r} is {tuple(v.shape)} {v.dtype}, expected {tuple(ref.shape)} {ref.dtype}"
         if not torch.isfinite(v).all():
             return f"consensus increment {k!r} is not finite"
-    if up.n_examples <= 0:
-        return f"n_examples must be positive, got {up.n_examples}"
     return None
 
 
 def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Upload],
-                  copies: dict[str, ServerCopy], n_clients: int | None = None
+                  copies: dict[str, ServerCopy], sizes: Mapping[str, int], max_step_ratio: float | None = None
                   ) -> tuple[ServerState, dict[str, ServerCopy], dict]:
-    """Eq. 11 per accepted upload, then Eq. 12 (or SCAFFOLD's rule for c, which needs the number of
-    registered clients `n_clients`). `copies` holds the server's ServerCopy of every client with an
-    upload (the engine loads them from its store); returns the updated ones."""
-    if cfg.consensus_update == "scaffold" and not n_clients:
-        raise ValueError("consensus_update=scaffold needs n_clients (the number of registered clients)")
+    """Eq. 11 per accepted upload, then Eq. 12 (or SCAFFOLD's rule for c over the N = len(sizes)
+    registered clients). `copies` holds the server's ServerCopy of every client with an upload (the
+    engine loads them from its store); returns the updated ones. `sizes` are the registered |D_i| (the
+    weights p_i; a client not in it is rejected). An upload whose implied local step K eta_bar Delta_i
+    fails `core.aggregate.step_check` is rejected; if the aggregate is not finite, the whole round is
+    rejected: messenger, c and every copy stay as they were (the clients drop their pending increments)."""
     lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
     eta_bar = sum(lrs) / cfg.local_steps
     new_copies = dict(copies)
     accepted: list[tuple[Upload, State]] = []
     rejected: dict[str, str] = {}
-    seen: set[str] = set()
     for up in uploads:
-        cp = new_copies[up.client_id]
-        why = "duplicate: already applied this round" if up.client_id in seen else check_upload(up, state, cp)
+        cp = new_copies.get(up.client_id)  # the caller loads a copy for every registered uploader
+        why = _reject_reason(up, state, cp, sizes, accepted)
+        delta = None
+        if why is None:
+            delta = cs.reconstruct(up.dc, cp.c_i, state.c, cfg.alpha, gamma)  # Eq. 11
+            why = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta.items()}, state.messenger,
+                                 max_step_ratio)
         if why is not None:
             rejected[up.client_id] = why
-            if up.resync_request and up.round == state.round:
+            if cp is not None and up.resync_request and up.round == state.round:
                 new_copies[up.client_id] = replace(cp, needs_resync=True)
             continue
-        delta = cs.reconstruct(up.dc, cp.c_i, state.c, cfg.alpha, gamma)  # Eq. 11
-        new_copies[up.client_id] = ServerCopy(_commit(cp.c_i, up.dc), cp.version + 1, needs_resync=False)
+        new_copies[up.client_id] = ServerCopy(_commit(cp.c_i, up.dc), cp.version + 1, needs_resync=False,
+                                              applied=(up.round, digest(up.dc)))
         accepted.append((up, delta))
-        seen.add(up.client_id)
     metrics = {"round": state.round, "gamma": gamma, "accepted": [u.client_id for u, _ in accepted],
                "rejected": rejected}
     if not accepted:
         return replace(state, round=state.round + 1), new_copies, {**metrics, "delta_bar_norm": 0.0,
                                                                     "c_norm": norm(state.c)}
-    p = agg.client_weights([u.n_examples for u, _ in accepted], uniform=cfg.weighting == "uniform")
+    ids = [u.client_id for u, _ in accepted]
+    p = agg.client_weights([sizes[i] for i in ids], uniform=cfg.weighting == "uniform")
     delta_bar = agg.weighted_sum([d for _, d in accepted], p)  # sum_i p_i Delta_i
     messenger = cs.server_messenger(state.messenger, delta_bar, cfg.tau, cfg.local_steps, eta_bar)  # Eq. 12
     if cfg.consensus_update == "scaffold":
-        c = cs.scaffold_consensus(state.c, [u.dc for u, _ in accepted], n_clients)
+        c = cs.scaffold_consensus(state.c, [u.dc for u, _ in accepted], len(sizes))
     else:
         c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
-    metrics.update({"p": dict(zip([u.client_id for u, _ in accepted], p)), "delta_bar_norm": norm(delta_bar),
-                    "c_norm": norm(c)})
+    if not agg.all_finite(messenger, c, *(new_copies[i].c_i for i in ids)):
+        why = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
+        metrics.update({"accepted": [], "rejected": {**rejected, **{i: why for i in ids}}, "aggregate_rejected": ids})
+        kept = {i: copies[i] for i in ids}
+        return replace(state, round=state.round + 1), {**new_copies, **kept}, {**metrics, "delta_bar_norm": 0.0,
+                                                                               "c_norm": norm(state.c)}
+    metrics.update({"p": dict(zip(ids, p)), "delta_bar_norm": norm(delta_bar), "c_norm": norm(c)})
     return ServerState(state.round + 1, state.total_rounds, messenger, c), new_copies, metrics
+
+
+def _reject_reason(up: Upload, state: ServerState, cp: ServerCopy | None, sizes: Mapping[str, int],
+                   accepted: list) -> str | None:
+    if up.client_id not in sizes or cp is None:
+        return "not a registered client"
+    if any(u.client_id == up.client_id for u, _ in accepted):
+        return "duplicate: already applied this round"
+    return check_upload(up, state, cp)
 
 
 # ------------------------------------------------------------------------------------------ records / wire
@@ -308,7 +339,7 @@ def _un(t: dict, p: str) -> State | None:
 
 
 def client_record(s: ClientState) -> tuple[dict, dict]:
-    meta = {"client_id": s.client_id, "n_examples": s.n_examples, "version": s.version,
+    meta = {"client_id": s.client_id, "version": s.version,
             "pending": None if s.pending is None else {"base_version": s.pending.base_version, "round": s.pending.round}}
     return {**_pre(s.c_i, "c_i"), **_pre(s.pending.dc if s.pending else None, "pending"),
             **_pre(s.personalized, "personalized")}, meta
@@ -317,16 +348,18 @@ def client_record(s: ClientState) -> tuple[dict, dict]:
 def client_from_record(t: dict, meta: dict) -> ClientState:
     p = meta["pending"]
     pending = None if p is None else Pending(_un(t, "pending"), p["base_version"], p["round"])
-    return ClientState(meta["client_id"], meta["n_examples"], _un(t, "c_i"), meta["version"], pending,
-                       _un(t, "personalized"))
+    return ClientState(meta["client_id"], _un(t, "c_i"), meta["version"], pending, _un(t, "personalized"))
 
 
 def copy_record(c: ServerCopy) -> tuple[dict, dict]:
-    return _pre(c.c_i, "c_i"), {"version": c.version, "needs_resync": c.needs_resync}
+    return _pre(c.c_i, "c_i"), {"version": c.version, "needs_resync": c.needs_resync,
+                                "applied": None if c.applied is None else list(c.applied)}
 
 
 def copy_from_record(t: dict, meta: dict) -> ServerCopy:
-    return ServerCopy(_un(t, "c_i"), meta["version"], meta["needs_resync"])
+    applied = meta.get("applied")  # absent in run directories written before acknowledgements named uploads
+    return ServerCopy(_un(t, "c_i"), meta["version"], meta["needs_resync"],
+                      None if applied is None else (int(applied[0]), str(applied[1])))
 
 
 def server_record(s: ServerState) -> tuple[dict, dict]:
@@ -337,39 +370,54 @@ def server_from_record(t: dict, meta: dict) -> ServerState:
     return ServerState(meta["round"], meta["total_rounds"], _un(t, "messenger"), _un(t, "c"))
 
 
+_BROADCAST = {"round": "int", "gamma": "float", "lrs": "floats", "eta_ins": "floats", "version": "int",
+              "c_i_digest": "str"}
+_UPLOAD = {"client_id": "str", "round": "int", "base_version": "int", "resync_request": "bool"}
+
+
 def encode_broadcast(b: Broadcast, extra: dict | None = None) -> tuple[bytes, dict[str, int]]:
     """Downlink: messenger, c, (resync), plus engine extras such as the student LoRA."""
     from ciders.core.wire import encode
 
-    meta = {"round": b.round, "gamma": b.gamma, "lrs": list(b.lrs), "eta_ins": list(b.eta_ins), "version": b.version}
+    meta = {"round": b.round, "gamma": b.gamma, "lrs": list(b.lrs), "eta_ins": list(b.eta_ins), "version": b.version,
+            "applied": None if b.applied is None else list(b.applied), "c_i_digest": b.c_i_digest or ""}
     return encode({"messenger": b.messenger, "c": b.c, "resync": b.resync, **(extra or {})}, meta)
 
 
 def decode_broadcast(msg: bytes, messenger_ref: State, extra_ref: dict | None = None, device=None) -> tuple[Broadcast, dict]:
-    from ciders.core.wire import decode
+    """Raises ciders.core.wire.PayloadError for anything malformed (a client trusts its server no more
+    than the server trusts it)."""
+    from ciders.core.wire import PayloadError, decode, fields
 
     comps, meta = decode(msg, {"messenger": messenger_ref, "c": messenger_ref, "resync": messenger_ref,
                                **(extra_ref or {})}, device)
-    b = Broadcast(meta["round"], comps["messenger"], comps.get("c"), meta["gamma"], tuple(meta["lrs"]),
-                  tuple(meta["eta_ins"]), meta["version"], comps.get("resync"))
+    f = fields(meta, _BROADCAST, "broadcast")
+    applied = meta.get("applied")
+    if applied is not None and not (isinstance(applied, list) and len(applied) == 2 and type(applied[0]) is int
+                                    and isinstance(applied[1], str)):
+        raise PayloadError(f"broadcast: metadata 'applied' must be null or [round, digest], got {str(applied)[:60]}")
+    if "messenger" not in comps or len(f["lrs"]) != len(f["eta_ins"]) or not f["lrs"]:
+        raise PayloadError("broadcast: no messenger, or the learning-rate schedules are empty or differ in length")
+    b = Broadcast(f["round"], comps["messenger"], comps.get("c"), float(f["gamma"]), tuple(map(float, f["lrs"])),
+                  tuple(map(float, f["eta_ins"])), f["version"], comps.get("resync"),
+                  None if applied is None else (applied[0], applied[1]), f["c_i_digest"] or None)
     return b, {k: v for k, v in comps.items() if k not in ("messenger", "c", "resync")}
 
 
 def encode_upload(u: Upload) -> tuple[bytes, dict[str, int]]:
     from ciders.core.wire import encode
 
-    meta = {"client_id": u.client_id, "round": u.round, "base_version": u.base_version, "n_examples": u.n_examples,
+    meta = {"client_id": u.client_id, "round": u.round, "base_version": u.base_version,
             "resync_request": u.resync_request}
     return encode({"dc": u.dc, "personalized": u.personalized}, meta)
 
 
 def decode_upload(msg: bytes, messenger_ref: State, device=None) -> Upload:
-    """Raises ciders.core.wire.PayloadError for anything malformed."""
-    from ciders.core.wire import PayloadError, decode
+    """Raises ciders.core.wire.PayloadError for anything malformed: wrong tensors, or metadata of the
+    wrong type (any other field a client adds, e.g. a claimed example count, is ignored)."""
+    from ciders.core.wire import decode, fields
 
     comps, meta = decode(msg, {"dc": messenger_ref, "personalized": messenger_ref}, device)
-    try:
-        return Upload(str(meta["client_id"]), int(meta["round"]), int(meta["base_version"]), int(meta["n_examples"]),
-                      comps.get("dc"), bool(meta["resync_request"]), comps.get("personalized"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PayloadError(f"upload metadata incomplete: {exc}") from exc
+    f = fields(meta, _UPLOAD, "upload")
+    return Upload(f["client_id"], f["round"], f["base_version"], comps.get("dc"), f["resync_request"],
+                  comps.get("personalized"))

@@ -322,6 +322,9 @@ class FederationConfig:
     checkpoint_keep: int = opt(2, "checkpoints kept in the run directory")
     store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
     tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`)")
+    max_step_ratio: float | None = opt(
+        10.0, "reject an upload whose implied local step ||w - x_K|| (Eq. 11 x K eta_bar) exceeds this multiple "
+        "of max(||w||, 1) (docs/security.md#aggregation); null = accept any finite step")
 
     def validate(self) -> None:
         check_choices(self, "federation")
@@ -338,6 +341,8 @@ class FederationConfig:
                 raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
         if self.dirichlet_alpha <= 0:
             raise ConfigError(f"federation.dirichlet_alpha: must be > 0, got {self.dirichlet_alpha}")
+        if self.max_step_ratio is not None and not self.max_step_ratio > 0:
+            raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
 
 
 def validate_sections(cfg: Any) -> None:

@@ -69,10 +69,15 @@ class BilevelFederationConfig:
     capacities: tuple[float, ...] = opt((1.0, 0.5, 0.25, 0.125, 0.0625),
                                         "capacity ratios R, assigned to clients in turn (client i gets R[i mod len])")
     rounds: int = opt(20, "Q: global iterations")
+    max_step_ratio: float | None = opt(
+        10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
+        "this multiple of max(||state||, 1) (docs/security.md#aggregation); null = accept any finite step")
 
     def validate(self) -> None:
         if self.clients < 1 or self.rounds < 1:
             raise ConfigError("federation.clients and federation.rounds must be >= 1")
+        if self.max_step_ratio is not None and not self.max_step_ratio > 0:
+            raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
         if not self.capacities or any(not 0 < r <= 1 for r in self.capacities):
             raise ConfigError(f"federation.capacities: each must be in (0, 1], got {list(self.capacities)}")
 

@@ -14,6 +14,10 @@ holds coordinate k of the state when its mask m_i^k = 1; with the covering count
   s^k   <- s^k - lr mean^k                  (C^k = 0: s^k unchanged) (`masked_step`)
   C*     = min_{k : C^k > 0} C^k                                   (`covering`: the round's covering number)
 
+Robustness (docs/security.md#aggregation): `step_check` bounds what one client may move the state by in one
+round, ||step_i|| <= ratio * max(||state||, 1), and `all_finite` is checked on an aggregate before it is
+committed (finite but huge values can still sum to Inf).
+
 With every mask full, C^k = |S| and masked_mean is the uniform weighted mean. The sums run over the
 clients in the order given (float sums depend on order): `weighted_sum` in the tensors' own dtype, or in
 `accumulate` (e.g. float64) and cast back.
@@ -25,7 +29,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ciders.core.tensors import State
+from ciders.core.tensors import State, norm
 
 
 def normalise(weights: Sequence[float]) -> list[float]:
@@ -134,3 +138,23 @@ def masked_step(state: State, values: Sequence[State], masks: Sequence[State], l
     (state', covering(C))."""
     mean, count = masked_mean(values, masks)
     return {k: state[k] - lr * mean[k] for k in state}, covering(count)
+
+
+def step_check(step: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], ratio: float | None) -> str | None:
+    """Why a client's implied step on `state` is too large to accept, or None: its norm (in float64, so a
+    float32 3e38 does not overflow) must be finite and at most ratio * max(||state||, 1). The floor of 1
+    keeps a zero-initialised state trainable. ratio None accepts any finite step."""
+    n = norm(step)
+    if n != n or n == float("inf"):
+        return "its update is not finite (the norm overflows)"
+    if ratio is None:
+        return None
+    bound = ratio * max(norm(state), 1.0)
+    if n > bound:
+        return f"its update norm {n:.4g} exceeds max_step_ratio {ratio:g} x max(||state||, 1) = {bound:.4g}"
+    return None
+
+
+def all_finite(*states: Mapping[str, torch.Tensor]) -> bool:
+    """Every floating-point tensor of every state is finite (the check before an aggregate is committed)."""
+    return all(bool(torch.isfinite(v).all()) for s in states for v in s.values() if v.is_floating_point())

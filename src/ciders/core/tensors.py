@@ -74,3 +74,16 @@ def equal(a: Mapping, b: Mapping) -> bool:
 def max_abs_diff(a: Mapping, b: Mapping) -> float:
     _same_keys(a, b)
     return max((float((a[k].double() - b[k].double()).abs().max()) for k in a), default=0.0)
+
+
+def digest(a: Mapping[str, torch.Tensor]) -> str:
+    """A short content hash of a state (keys in sorted order, each key's dtype, shape and raw bytes): two
+    states have the same digest only if they are bitwise equal (up to SHA-256 collisions)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(a):
+        v = a[k].detach().to("cpu").contiguous()
+        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}|".encode())
+        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]

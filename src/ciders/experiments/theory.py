@@ -49,7 +49,7 @@ def run_theory(clients: int, dim: int, k: int, eta: float, gamma: float, alpha: 
     server = alg.init_server(w0, rounds)
     ids = [f"c{i}" for i in range(clients)]
     copies = {cid: alg.init_copy(w0) for cid in ids}
-    states = {cid: alg.init_client(cid, 1, w0) for cid in ids}
+    states = {cid: alg.init_client(cid, w0) for cid in ids}
     for t in range(rounds + 1):
         x = server.messenger["x"]
         gs = [{"x": gr(x)} for gr in grads]
@@ -65,4 +65,4 @@ def run_theory(clients: int, dim: int, k: int, eta: float, gamma: float, alpha: 
             up, states[cid], _ = alg.client_update(cfg, alg.make_broadcast(cfg, server, copies[cid]), states[cid],
                                                    fn, [None] * k)
             uploads.append(up)
-        server, copies, _ = alg.server_update(cfg, server, uploads, copies)
+        server, copies, _ = alg.server_update(cfg, server, uploads, copies, {cid: 1 for cid in ids})

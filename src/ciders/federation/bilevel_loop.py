@@ -31,7 +31,8 @@ from typing import Callable
 from safetensors.torch import save_file
 
 from ciders.errors import CidersError
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase
+from ciders.core.wire import PayloadError
+from ciders.federation.bilevel_rounds import BilevelServer, client_phase, client_record
 from ciders.federation.exchange import Exchange, Reply
 from ciders.federation.inprocess import Faults, InProcess
 from ciders.federation.loop import run_rounds
@@ -70,6 +71,7 @@ class BilevelRounds:
             server.state, self.totals, self.ev = _load_checkpoint(run, committed, s0)
             log(f"{run.root}: resuming after round {committed}")
         self.first_round = server.state.round
+        self.sent: dict[str, int] = {}
 
     def begin(self, q: int) -> None:
         self.server.begin(q)
@@ -80,25 +82,30 @@ class BilevelRounds:
     def messages(self, phase: str, q: int) -> dict[str, bytes]:
         msgs = {i: self.server.down(phase, i) for i in self.server.participants(phase)}
         self.totals["bytes_down"] += sum(len(m) for m in msgs.values())
+        self.sent = {i: len(m) for i, m in msgs.items()}  # this phase's downlink bytes per client
         return msgs
 
     def absorb(self, phase: str, q: int, replies: list[Reply], mark: Callable[[str], None] = lambda p: None) -> None:
+        """Take the valid replies (a client's record is checked first: one that does not fit rejects the
+        reply), run the server step, then write each accepted client's record as the server composes it."""
         got: dict[str, Reply] = {}
+        recs: dict[str, dict] = {}
         for r in replies:
-            if r.error is not None:
-                self.log(f"round {q} {phase}: {r.client_id} failed ({r.error}): rejected")
-            elif r.rejected is not None:
-                self.log(f"round {q} {phase}: rejected the reply of {r.client_id}: {r.rejected}")
-            elif r.kind != "reply":
-                self.log(f"round {q} {phase}: a {r.kind} delivery from {r.client_id} is not part of the round: ignored")
-            elif r.client_id in got:
-                self.log(f"round {q} {phase}: a second reply from {r.client_id}: ignored")
-            else:
-                got[r.client_id] = r
+            why = self._refusal(r, got, phase, self.sent)
+            if why is None:
+                try:
+                    recs[r.client_id] = client_record(self.server, phase, r.client_id, r.record,
+                                                      self.sent.get(r.client_id, 0), len(r.payload))
+                except PayloadError as exc:
+                    why = f"rejected the reply of {r.client_id}: {exc}"
+            if why is not None:
+                self.log(f"round {q} {phase}: {why}")
+                continue
+            got[r.client_id] = r
         rejected = self.server.absorb(phase, {i: r.payload for i, r in got.items()})
         for i in (c for c in self.server.ids if c in got):
-            rec = dict(got[i].record)
-            secs = float(rec.pop("seconds", 0.0))
+            rec = recs[i]
+            secs = float(rec.pop("seconds"))
             append_jsonl(self.run.timing, {"round": q, "client": i, "phase": phase, "seconds": secs})
             if i in rejected:
                 continue
@@ -107,6 +114,20 @@ class BilevelRounds:
                 self.totals[k] += rec[k]
             self.totals["seconds"] += secs
         mark(phase)
+
+    @staticmethod
+    def _refusal(r: Reply, got: dict, phase: str, sent: dict) -> str | None:
+        if r.client_id not in sent:
+            return f"a reply from {str(r.client_id)[:64]!r}, which was sent no {phase} message: ignored"
+        if r.error is not None:
+            return f"{r.client_id} failed ({str(r.error)[:200]}): rejected"
+        if r.rejected is not None:
+            return f"rejected the reply of {r.client_id}: {r.rejected}"
+        if r.kind != "reply":
+            return f"a {r.kind} delivery from {r.client_id} is not part of the round: ignored"
+        if r.client_id in got:
+            return f"a second reply from {r.client_id}: ignored"
+        return None
 
     def commit(self, q: int, before_checkpoint: Callable[[], None] | None = None) -> None:
         rnd = {"event": "round", "round": q, **self.server.finish(), "full_bytes_per_client": self.full}

@@ -30,6 +30,7 @@ import torch
 
 from ciders.algorithms import rabo as rb
 from ciders.algorithms.registry import get
+from ciders.core import aggregate as agg
 from ciders.core import masks as mk
 from ciders.core import submodel as sm
 from ciders.core.wire import PayloadError, decode, encode
@@ -145,48 +146,68 @@ class BilevelServer:
         rejected, vals, used = {}, [], []
         name, field = ("G", "y") if phase == "inner" else ("h", "x")
         ref = self.state.y if phase == "inner" else self.state.x
+        lr = self.cfg.beta if phase == "inner" else self.cfg.alpha
         for i in replies:
             m = self.masks[i]
             try:
-                vals.append(self._read(phase, i, replies[i], name, getattr(m, field), ref))
+                v = self._read(phase, i, replies[i], name, getattr(m, field), ref)
+                why = agg.step_check({k: lr * t for k, t in v.items()}, ref, self.exp.federation.max_step_ratio)
+                if why is not None:
+                    raise PayloadError(why)
+                vals.append(v)
                 used.append(m)
             except PayloadError as exc:
                 rejected[i] = str(exc)
                 self.log(f"round {self.state.round} {phase}: rejected the reply of {i}: {exc}")
-        stats = {**self.round.stats, f"{phase}_clients": [i for i in replies if i not in rejected]}
-        if phase == "inner":
-            base = self.state
-            mid, st = rb.server_inner(self.cfg, base, vals, used) if vals else (base, {"covering_y": 0,
-                                                                                    "trained_y": 0.0})
-            self.round = replace(self.round, mid=mid, stats={**stats, **st})
-        else:
-            base = self.round.mid
-            nxt, st = rb.server_outer(self.cfg, base, vals, used) if vals else (
-                rb.BilevelState(base.round + 1, base.x, base.y), {"covering_x": 0, "trained_x": 0.0})
-            self.round = replace(self.round, next=nxt, stats={**stats, **st})
+        base = self.state if phase == "inner" else self.round.mid
+        step = rb.server_inner if phase == "inner" else rb.server_outer
+        nxt, st = step(self.cfg, base, vals, used) if vals else (None, {})
+        if nxt is not None and not agg.all_finite(nxt.x, nxt.y):
+            rejected.update(self._aggregate_rejected(phase, [i for i in replies if i not in rejected]))
+            nxt = None
+        if nxt is None:  # nobody (valid) answered: the state stays
+            nxt = base if phase == "inner" else rb.BilevelState(base.round + 1, base.x, base.y)
+            st = {"covering_y": 0, "trained_y": 0.0} if phase == "inner" else {"covering_x": 0, "trained_x": 0.0}
+        stats = {**self.round.stats, f"{phase}_clients": [i for i in replies if i not in rejected], **st}
+        self.round = replace(self.round, **({"mid": nxt} if phase == "inner" else {"next": nxt}), stats=stats)
         return rejected
+
+    def _aggregate_rejected(self, phase: str, ids: list[str]) -> dict:
+        why = "the round's aggregate is not finite: the step is rejected, the state stays as it was"
+        self.log(f"round {self.state.round} {phase}: {why} (clients {', '.join(ids)})")
+        return {i: why for i in ids}
 
     def _absorb_local(self, replies: dict[str, bytes]) -> dict:
         """FedAvg (`algorithms.fedmeta.server_mean`, uniform weights) of the valid client models."""
         from ciders.algorithms.fedmeta import server_mean
 
         s, rejected, xs, ys = self.state, {}, [], []
+        both = {**{f"x/{k}": v for k, v in s.x.items()}, **{f"y/{k}": v for k, v in s.y.items()}}
         for i in replies:
             try:
                 comps, meta = decode(replies[i], {"x": s.x, "y": s.y}, device=_device(s.x))
                 self._check_meta(meta, "local", i)
                 if set(comps) != {"x", "y"}:
                     raise PayloadError(f"reply must hold x and y, got {sorted(comps)}")
+                moved = {**{f"x/{k}": v - s.x[k] for k, v in comps["x"].items()},
+                         **{f"y/{k}": v - s.y[k] for k, v in comps["y"].items()}}
+                why = agg.step_check(moved, both, self.exp.federation.max_step_ratio)
+                if why is not None:
+                    raise PayloadError(why)
                 xs.append(comps["x"])
                 ys.append(comps["y"])
             except PayloadError as exc:
                 rejected[i] = str(exc)
                 self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
+        nxt = rb.BilevelState(s.round + 1, s.x, s.y)
         if xs:
             w = [1.0] * len(xs)
-            nxt = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
-        else:
-            nxt = rb.BilevelState(s.round + 1, s.x, s.y)
+            mean = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
+            if agg.all_finite(mean.x, mean.y):
+                nxt = mean
+            else:
+                rejected.update(self._aggregate_rejected("local", [i for i in replies if i not in rejected]))
+                xs = []
         n = len(xs)
         self.round = replace(self.round, next=nxt, stats={
             **self.round.stats, "covering_x": n, "covering_y": n, "trained_x": float(n > 0),
@@ -259,8 +280,22 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[ci])
     else:
         raise PayloadError(f"{i}: phase {phase!r} is not a phase of {exp.method}")
+    # only what the client measured; the server adds what it knows itself (`client_record`)
+    return up, {"calls": calls, "seconds": time.perf_counter() - t0, **info}
+
+
+def client_record(server: "BilevelServer", phase: str, i: str, measured: dict, bytes_down: int, bytes_up: int
+                  ) -> dict:
+    """A client's metrics record as the server writes it: the server's own fields (round, client, its
+    masks' capacity and kept fraction, bytes counted on the wire) around the client's checked
+    measurements (`federation.records.BILEVEL`; PayloadError if they do not fit)."""
+    from ciders.federation import records
+
+    rec = records.check(measured, records.BILEVEL)
+    if "calls" not in rec or "seconds" not in rec:
+        raise PayloadError("client record: needs 'calls' and 'seconds'")
+    m, cap = server.masks[i], server.caps[client_index(i, len(server.caps))]
     kept = kept_fraction(m)
-    rec = {"event": "client", "round": q, "client": i, "phase": phase, "capacity": m.capacity, "calls": calls,
-           "kept_fraction": kept, "op_estimate": calls * kept, "bytes_down": len(msg), "bytes_up": len(up),
-           "seconds": time.perf_counter() - t0, **info}
-    return up, rec
+    return {"event": "client", "round": server.state.round, "client": i, "phase": phase, "capacity": cap,
+            "calls": rec["calls"], "kept_fraction": kept, "op_estimate": rec["calls"] * kept, "bytes_down": bytes_down,
+            "bytes_up": bytes_up, **rec}

@@ -121,7 +121,7 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
             if phase == "report":
                 return client_report(co.clients_store, cid), {}
             # the in-process client's references: the server's own tensors
-            return client_round(cfg, task, co.clients_store, cid, co.sizes[cid], msg, dict(co.round.down_extra))
+            return client_round(cfg, task, co.clients_store, cid, msg, dict(co.round.down_extra))
 
         def on_reply(cid: str, rec: dict) -> None:
             if rec:
@@ -141,5 +141,5 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
 def _nan_upload(upmsg: bytes, ref: dict) -> bytes:
     """Faults.corrupt for CIDERS: the same upload with a NaN increment (the finite check must reject it)."""
     up = alg.decode_upload(upmsg, ref)
-    return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version, up.n_examples,
+    return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
                                         {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))[0]

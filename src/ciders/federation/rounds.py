@@ -33,6 +33,7 @@ from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
 from ciders.core.wire import PayloadError
+from ciders.federation import records
 from ciders.federation.exchange import Reply
 from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
 from ciders.errors import CidersError
@@ -97,22 +98,31 @@ def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, dow
 def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply]) -> Checked:
     """Decode and check everything that arrived in a train phase: this round's replies (in sampling order),
     uploads delayed from earlier rounds (kind "late", first) and duplicated deliveries (kind "copy", last).
-    A client error, a reply the transport could not accept, a payload that does not decode against the
-    messenger's shapes and dtypes (or is not finite), an upload that claims another client's id, a reply
-    from a client not sampled this round and an unknown client id are all rejected with the reason; none
-    of them reaches the server update."""
+    A client error, a reply the transport could not accept, a metrics record that does not fit its schema
+    (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes (or
+    is not finite), an upload that claims another client's id, a reply from a client not sampled this
+    round and an unknown client id are all rejected with the reason; none of them reaches the server
+    update. The server's own record fields (event, round, client, bytes) are written after the client's."""
     t, order = rnd.t, {cid: j for j, cid in enumerate(rnd.sampled)}
     rejected: dict[str, str] = {}
-    for r in replies:
+    checked_recs: dict[int, dict] = {}
+    for j, r in enumerate(replies):
         if r.error is not None:
-            rejected[r.client_id] = f"client error: {r.error}"
+            rejected[r.client_id] = f"client error: {str(r.error)[:200]}"
         elif r.rejected is not None:
             rejected[r.client_id] = r.rejected
         elif r.kind == "reply" and r.client_id not in order:
-            rejected[str(r.client_id)] = f"reply from a client not sampled in round {t}"
-    ok = [r for r in replies if r.error is None and r.rejected is None]
+            rejected[str(r.client_id)[:64]] = f"reply from a client not sampled in round {t}"
+        elif r.kind == "reply":
+            try:
+                checked_recs[j] = records.check(r.record, records.CIDERS)
+            except PayloadError as exc:
+                rejected[r.client_id] = str(exc)
+    ok = [r for j, r in enumerate(replies) if r.error is None and r.rejected is None
+          and (r.kind != "reply" or j in checked_recs)]
     got = sorted((r for r in ok if r.kind == "reply" and r.client_id in order), key=lambda r: order[r.client_id])
-    recs = [{"event": "client", **r.record, "round": t, "bytes_up": len(r.payload),
+    rec_of = {id(r): checked_recs[j] for j, r in enumerate(replies) if j in checked_recs}
+    recs = [{"event": "client", **rec_of[id(r)], "client": r.client_id, "round": t, "bytes_up": len(r.payload),
              "bytes_down": rnd.down_len.get(r.client_id, 0)} for r in got]
     msgs = [("?", r.payload) for r in ok if r.kind == "late"]
     msgs += [(r.client_id, r.payload) for r in got if acfg.communicate]
@@ -133,7 +143,7 @@ def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply
             rejected[up.client_id] = "unknown client id"
         else:
             uploads.append(up)
-    return Checked(uploads, rejected, bytes_up, recs, [r.record.get("loss") for r in got],
+    return Checked(uploads, rejected, bytes_up, recs, [rec.get("loss") for rec in recs],
                    tuple(r.client_id for r in got))
 
 
@@ -284,8 +294,8 @@ class Coordinator:
         failed = {r.client_id for r in replies if r.error is not None}
         contacted = (rnd.next.contacted - failed) | set(checked.replied)
         copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
-        server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies,
-                                                   n_clients=len(self.ids))
+        server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies, self.sizes,
+                                                   self.cfg.federation.max_step_ratio)
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
                 self.server_store.put(cid, t, *alg.copy_record(cp))
@@ -372,7 +382,7 @@ class StaticHolder:
         return {k: v.to(device) for k, v in st.items()}
 
 
-def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, n_examples: int, msg: bytes,
+def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes,
                  extra_ref: dict, held: StaticHolder | None = None) -> tuple[bytes, dict]:
     """The client side of one round: decode the broadcast (validated against the client's own
     references), run `client_update` on the client's saved state, write the new state to its store and
@@ -389,7 +399,7 @@ def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, n_exa
                 extra[name] = held.load(name, extra_ref[name], _dev(ref))
     task.begin_round(b.round, extra)
     rec = store.get(cid)
-    state = _on_device(None if rec is None else alg.client_from_record(*rec), cid, n_examples, ref)
+    state = _on_device(None if rec is None else alg.client_from_record(*rec), cid, ref)
     batches = task.batches(cid, b.round, acfg.local_steps * acfg.grad_accum, cfg.seed)
     up, state, cm = alg.client_update(acfg, b, state, task.loss_fn(cid), batches)
     store.put(cid, b.round, *alg.client_record(state))
@@ -428,17 +438,17 @@ def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:
     if rec is None:
         return alg.init_copy(ref)
     cp = alg.copy_from_record(*rec)
-    return alg.ServerCopy({k: v.to(_dev(ref)) for k, v in cp.c_i.items()}, cp.version, cp.needs_resync)
+    return replace(cp, c_i={k: v.to(_dev(ref)) for k, v in cp.c_i.items()})
 
 
-def _on_device(s: alg.ClientState | None, cid: str, n: int, ref: dict) -> alg.ClientState:
+def _on_device(s: alg.ClientState | None, cid: str, ref: dict) -> alg.ClientState:
     """A client's saved state on the messenger's device (a fresh one if it never trained)."""
     if s is None:
-        return alg.init_client(cid, n, ref)
+        return alg.init_client(cid, ref)
     dev = _dev(ref)
 
     def mv(st):
         return None if st is None else {k: v.to(dev) for k, v in st.items()}
 
     pending = None if s.pending is None else alg.Pending(mv(s.pending.dc), s.pending.base_version, s.pending.round)
-    return alg.ClientState(s.client_id, s.n_examples, mv(s.c_i), s.version, pending, mv(s.personalized))
+    return alg.ClientState(s.client_id, mv(s.c_i), s.version, pending, mv(s.personalized))

@@ -135,7 +135,7 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
                 raise ValueError(f"this node hosts {cid}, but the run has clients {', '.join(sorted(sizes))}; "
                                  "check its partition-id")
             store = _store(state, committed, keep_current=False)
-            up, rec = client_round(cfg, task, store, cid, sizes[cid], fm.payload_of(msg.content),
+            up, rec = client_round(cfg, task, store, cid, fm.payload_of(msg.content),
                                    task.downlink_reference(), held=StaticHolder(state / "static"))
             _fault(cid, kind, t, state)
             return Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=msg)

@@ -9,8 +9,6 @@ against what the receiver expects) and handle bf16 tensors, which numpy-backed A
 
 from __future__ import annotations
 
-import json
-
 from ciders.core.wire import PayloadError
 
 KIND = "ciders"  # ConfigRecord with the routing fields
@@ -46,11 +44,11 @@ def payload_of(content) -> bytes:
 
 
 def record_of(fields: dict) -> dict:
-    """A client's metrics record, sent as JSON text (nested, and not only numbers)."""
-    try:
-        rec = json.loads(fields.get("record", "{}"))
-    except (TypeError, ValueError) as exc:
-        raise PayloadError(f"unreadable client record: {exc}") from exc
-    if not isinstance(rec, dict):
-        raise PayloadError("client record must be a JSON object")
-    return rec
+    """A client's metrics record, sent as JSON text (nested, and not only numbers): bounded in size and
+    nesting here (`federation.records.parse`); its keys and types are checked by the server's round code."""
+    from ciders.federation.records import parse
+
+    text = fields.get("record", "{}")
+    if not isinstance(text, str):
+        raise PayloadError(f"client record must be JSON text, got {type(text).__name__}")
+    return parse(text)
