@@ -30,7 +30,7 @@ def test_deploy_commands_bind_control_to_its_own_address_never_the_fleet_one(tmp
     gate = dep.gateway_cmd("0.0.0.0")
     assert (arg(gate, "--listen"), arg(gate, "--upstream")) == ("0.0.0.0:9092", f"{control}:9093")
     assert arg(dep.supernode_cmd(0, 3, tmp_path / "s"), "--superlink") == f"{fleet}:9092"
-    assert re.findall(r'address = "([^"]+)"', (dep.home / "config.toml").read_text()) == [f"{control}:9093"]
+    assert re.findall(r'address = "([^"]+)"', dep.config_toml()) == [f"{control}:9093"]  # what `flwr` is given
 
 
 @pytest.mark.parametrize("fleet,control", [("0.0.0.0", "0.0.0.0"), ("10.0.0.5", "10.0.0.5"), ("10.0.0.5", "::"),

@@ -164,7 +164,6 @@ class Deployment:
         self.logs = self.work / "logs"
         for d in (self.home, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        (self.home / "config.toml").write_text(self.config_toml())
 
     @property
     def control(self) -> str:
@@ -240,6 +239,13 @@ class Deployment:
         self._healthy("fleet-gateway", here, timeout)
 
     def flwr(self, *args: str, timeout: float = 120) -> str:
+        # written here, not at construction: every role of a deployment shares WORK, and a SuperNode
+        # role (which never runs `flwr`) must not overwrite the operator's Control address
+        cfg, text = self.home / "config.toml", self.config_toml()
+        if not cfg.is_file() or cfg.read_text() != text:
+            tmp = cfg.with_name(f"config.toml.{os.getpid()}")
+            tmp.write_text(text)
+            os.replace(tmp, cfg)  # a concurrent `flwr` never reads half a file
         return _sh(["flwr", *args], env=flower_env(self.home), cwd=self.work, timeout=timeout).stdout
 
     def register_key(self, key: Path, name: str) -> None:
