@@ -107,7 +107,7 @@ def deployment(tmp_path, n=3):
 
     work = tmp_path / "dep"
     make_credentials(work, n)
-    return Deployment(work, port=free_port(), node_port=free_port())
+    return Deployment(work, port=free_port(), node_port=free_port(), control_port=free_port())
 
 
 def start_nodes(dep, n, env=None):
@@ -133,33 +133,38 @@ def test_loopback_deployment_with_tls_and_node_auth_equals_in_process(tiny, tmp_
     local_run(tiny, tmp_path / "local")
     port = free_port()
     assert main(["flower", "loopback", str(tiny), "--out", str(tmp_path / "dep-run"), "--clients", "3",
-                 "--work", str(tmp_path / "dep"), "--port", str(port)]) == 0
+                 "--work", str(tmp_path / "dep"), "--port", str(port), "--control-port", str(free_port())]) == 0
     logs = capsys.readouterr().out
-    assert "TLS + SuperNode auth" in logs and "finished:completed" in logs and "still running" not in logs, logs
+    assert "TLS + SuperNode auth" in logs and "Control on 127.0.0.1:" in logs and "finished:completed" in logs and "still running" not in logs, logs
     assert_same_run(tmp_path / "local", tmp_path / "dep-run")
 
 
 def test_documented_role_commands_deploy_and_stop_cleanly(tiny, tmp_path):
     """The multi-host path of docs/flower.md, on one host: `ciders flower credentials | superlink |
-    supernode | launch` as separate processes; SIGTERM to each role stops everything it started."""
+    register | supernode | launch` as separate processes (SuperNodes on the Fleet address, the operator's
+    register and launch on the Control address); SIGTERM to each role stops everything it started."""
     import signal
     import subprocess
     import sys
 
     local_run(tiny, tmp_path / "local")
-    work, port = tmp_path / "dep", free_port()
+    work, port, control = tmp_path / "dep", free_port(), f"127.0.0.1:{free_port()}"
     cli = [sys.executable, "-m", "ciders.cli", "flower"]
     subprocess.run(cli + ["credentials", str(work), "--clients", "3"], check=True, capture_output=True)
-    roles = [subprocess.Popen(cli + ["superlink", str(work), "--port", str(port)], stdout=subprocess.PIPE, text=True)]
+    roles = [subprocess.Popen(cli + ["superlink", str(work), "--port", str(port), "--control-port",
+                                     control.rpartition(":")[2]], stdout=subprocess.PIPE, text=True)]
     try:
-        assert "3 SuperNode keys registered" in roles[0].stdout.readline()
+        assert f"Control on {control} (operator only)" in roles[0].stdout.readline()
+        keys = [str(work / "keys" / f"supernode{i}.pub") for i in range(3)]
+        r = subprocess.run(cli + ["register", str(work), *keys, "--control", control], capture_output=True, text=True)
+        assert r.returncode == 0 and "3 SuperNode keys registered" in r.stdout, r.stdout + r.stderr
         node_port = free_port()
         for i in range(3):
             roles.append(subprocess.Popen(cli + ["supernode", str(work), "--partition", str(i), "--clients", "3",
                                                  "--superlink", f"127.0.0.1:{port}", "--node-port", str(node_port + i),
                                                  "--state-dir", str(work / "nodes" / f"client{i}")]))
         r = subprocess.run(cli + ["launch", str(tiny), "--out", str(tmp_path / "run"), "--work", str(work),
-                                  "--superlink", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=900)
+                                  "--control", control], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0 and "finished:completed" in r.stdout, r.stdout + r.stderr
     finally:
         for p in roles:
@@ -298,7 +303,8 @@ def test_bilevel_family_on_flower_equals_in_process(tmp_path, capsys, monkeypatc
         assert_same_bilevel_run(tmp_path / "local" / m, tmp_path / "sim" / m)
     capsys.readouterr()
     assert main(["flower", "loopback", cfg, "--out", str(tmp_path / "dep-run"), "--clients", "3",
-                 "--work", str(tmp_path / "dep"), "--port", str(free_port()), *sets]) == 0
+                 "--work", str(tmp_path / "dep"), "--port", str(free_port()), "--control-port", str(free_port()),
+                 *sets]) == 0
     logs = capsys.readouterr().out
     assert "finished:completed" in logs and "still running" not in logs, logs
     assert_same_bilevel_run(tmp_path / "local" / "rabo", tmp_path / "dep-run")

@@ -11,6 +11,7 @@ by a Flower Grid.
   bilevel.py     the RABO family's client side on a node (its between-phase scratch space)
   messages.py    what travels: ciders wire bytes as one uint8 Array, routing fields in a ConfigRecord
   deploy.py      SuperLink / SuperNode processes, certificates and keys for a deployment (`ciders flower`)
+  fleet_gateway.py  the only door SuperNodes get: relays Flower's Fleet API to the SuperLink, refuses the rest
 
 Heavy imports (torch, transformers) happen inside the handlers, so a `query` message is cheap.
 """

@@ -1,11 +1,15 @@
 """`ciders flower ...`: the deployment path, one command per role (see docs/flower.md).
 
   credentials WORK --clients N [--host H]   CA, SuperLink certificate (SAN: the hosts), one key per SuperNode
-  superlink WORK [--bind ADDR] [--port P]   a SuperLink with TLS + SuperNode auth; registers WORK/keys/*.pub
-  supernode WORK --partition I --clients N --superlink HOST:PORT --state-dir DIR
-  launch CONFIG --out OUT --work WORK [--superlink HOST:PORT] [--resume] [--set K=V]   flwr run, wait, status
+  superlink WORK [--bind ADDR] [--port P] [--control-bind ADDR] [--control-port P]
+        the SuperLink (TLS + SuperNode auth) on the Control address, the Fleet gateway on the Fleet one
+  register WORK PUBKEY... [--control HOST:PORT]   the operator admits SuperNodes (Control address only)
+  supernode WORK --partition I --clients N --superlink HOST:PORT --state-dir DIR   (the Fleet address)
+  launch CONFIG --out OUT --work WORK [--control HOST:PORT] [--resume] [--set K=V]   flwr run, wait, status
   loopback CONFIG --out OUT --clients N --work WORK    all of the above on 127.0.0.1, then everything stopped
-The long-running roles stay in the foreground until Ctrl-C, then stop their processes.
+The long-running roles stay in the foreground until Ctrl-C, then stop their processes. The Control
+address (default 127.0.0.1:9093) must not be reachable by the SuperNodes; `deploy.check_addresses`
+refuses a wildcard or the Fleet address for it.
 """
 
 from __future__ import annotations
@@ -18,11 +22,26 @@ from pathlib import Path
 from ciders.errors import CidersError
 
 
-def _address(s: str) -> tuple[str, int]:
+def _address(s: str, what: str = "--superlink") -> tuple[str, int]:
     host, _, port = s.rpartition(":")
     if not host or not port.isdigit():
-        raise CidersError(f"--superlink must be HOST:PORT, got {s!r}")
-    return host, int(port)
+        raise CidersError(f"{what} must be HOST:PORT, got {s!r}")
+    return host.strip("[]"), int(port)
+
+
+def deployment(a: argparse.Namespace):
+    """The Deployment a role's arguments describe (the addresses each role uses, nothing started)."""
+    from ciders.transports.flower.deploy import Deployment
+
+    secure = not getattr(a, "insecure", False)
+    if a.role == "superlink":  # this host: the SuperLink's own Control address, the gateway's Fleet port
+        return Deployment(Path(a.work), port=a.port, control_host=a.control_bind, control_port=a.control_port,
+                          secure=secure)
+    if a.role == "supernode":
+        host, port = _address(a.superlink)
+        return Deployment(Path(a.work), port=port, host=host, secure=secure)
+    host, port = _address(a.control, "--control")  # register, launch: the operator's side
+    return Deployment(Path(a.work), control_host=host, control_port=port, secure=secure)
 
 
 def _foreground(dep, what: str) -> int:
@@ -40,28 +59,30 @@ def _foreground(dep, what: str) -> int:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from ciders.transports.flower.deploy import Deployment, loopback, make_credentials
+    from ciders.transports.flower.deploy import loopback, make_credentials
 
     work = Path(a.work)
-    secure = not getattr(a, "insecure", False)
     if a.role == "credentials":
         make_credentials(work, a.clients, tuple(a.host or ["127.0.0.1", "localhost"]))
         print(f"CA and SuperLink certificate in {work / 'certs'}, SuperNode keys in {work / 'keys'}")
         return 0
     if a.role == "loopback":
-        status = loopback(Path(a.config), Path(a.out), a.clients, work, a.set or [], secure=secure, port=a.port)
+        status = loopback(Path(a.config), Path(a.out), a.clients, work, a.set or [],
+                          secure=not a.insecure, port=a.port, control_port=a.control_port)
         return 0 if status == "finished:completed" else 2
-    host, port = _address(a.superlink) if getattr(a, "superlink", None) else ("127.0.0.1", getattr(a, "port", 8000))
-    dep = Deployment(work, port=port, host=host, secure=secure)
+    dep = deployment(a)
     if a.role == "superlink":
         dep.start_superlink(bind=a.bind)
-        keys = sorted((work / "keys").glob("supernode*.pub")) if secure else []
-        for k in keys:
-            dep.register(int(k.stem[len("supernode"):]))
-        return _foreground(dep, f"SuperLink on {a.bind}:{port}, {len(keys)} SuperNode keys registered")
+        return _foreground(dep, f"SuperLink: Fleet on {a.bind}:{a.port} (SuperNodes), Control on {dep.control} "
+                                "(operator only); admit SuperNodes with `ciders flower register`")
+    if a.role == "register":
+        for key in a.keys:
+            dep.register_key(Path(key), Path(key).name.removesuffix(".pub"))
+        print(f"{len(a.keys)} SuperNode keys registered on {dep.control}")
+        return 0
     if a.role == "supernode":
         dep.start_supernode(a.partition, a.clients, Path(a.state_dir), port=a.node_port)
-        return _foreground(dep, f"SuperNode client{a.partition} -> {host}:{port}")
+        return _foreground(dep, f"SuperNode client{a.partition} -> {dep.fleet}")
     run_id = dep.launch(Path(a.config), Path(a.out), a.set or [], resume=a.resume)
     print(f"run {run_id} started; the ServerApp writes {a.out}", flush=True)
     status = dep.wait_run(run_id, timeout=a.timeout)
@@ -79,16 +100,23 @@ def add_parser(sub) -> None:
     r.add_argument("work", help="deployment directory (certs/, keys/)")
     r.add_argument("--clients", type=int, required=True, help="number of SuperNodes (one per client)")
     r.add_argument("--host", action="append", help="SuperLink host name or IP for the certificate (repeatable)")
-    r = roles.add_parser("superlink", help="run a SuperLink (TLS + SuperNode auth) in the foreground")
+    r = roles.add_parser("superlink", help="run a SuperLink (TLS + SuperNode auth) and its Fleet gateway")
     r.add_argument("work")
-    r.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0 for other hosts)")
-    r.add_argument("--port", type=int, default=8000, help="the one port for Fleet, Control and Runtime APIs")
+    r.add_argument("--bind", default="127.0.0.1", help="Fleet address the SuperNodes use (0.0.0.0: other hosts)")
+    r.add_argument("--port", type=int, default=9092, help="Fleet port (the gateway: Fleet API only)")
+    r.add_argument("--control-bind", default="127.0.0.1",
+                   help="Control address: 127.0.0.1 or a management address, never the Fleet one")
+    r.add_argument("--control-port", type=int, default=9093, help="Control port (the SuperLink itself)")
     r.add_argument("--insecure", action="store_true", help="no TLS, no node auth (a trusted test network only)")
+    r = roles.add_parser("register", help="admit SuperNodes: register their public keys (operator, Control address)")
+    r.add_argument("work")
+    r.add_argument("keys", nargs="+", help="public key files (supernode<i>.pub); the name is the file's stem")
+    r.add_argument("--control", default="127.0.0.1:9093", help="HOST:PORT of the SuperLink's Control address")
     r = roles.add_parser("supernode", help="run the SuperNode of one client in the foreground")
     r.add_argument("work")
     r.add_argument("--partition", type=int, required=True, help="the client's partition id i (client<i>)")
     r.add_argument("--clients", type=int, required=True, help="number of clients N")
-    r.add_argument("--superlink", default="127.0.0.1:8000", help="HOST:PORT of the SuperLink")
+    r.add_argument("--superlink", default="127.0.0.1:9092", help="HOST:PORT of the Fleet address")
     r.add_argument("--state-dir", required=True, help="the client's durable state (survives restarts)")
     r.add_argument("--node-port", type=int, default=9094, help="local port for this node's ClientApps")
     r.add_argument("--insecure", action="store_true")
@@ -101,10 +129,11 @@ def add_parser(sub) -> None:
         r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
         r.add_argument("--insecure", action="store_true")
         if name == "launch":
-            r.add_argument("--superlink", default="127.0.0.1:8000", help="HOST:PORT of the SuperLink")
+            r.add_argument("--control", default="127.0.0.1:9093", help="HOST:PORT of the Control address")
             r.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
             r.add_argument("--timeout", type=float, default=24 * 3600, help="seconds to wait for the run")
         else:
             r.add_argument("--clients", type=int, required=True, help="number of SuperNodes")
-            r.add_argument("--port", type=int, default=8000)
+            r.add_argument("--port", type=int, default=9092, help="Fleet port (the gateway)")
+            r.add_argument("--control-port", type=int, default=9093, help="Control port (127.0.0.1)")
     p.set_defaults(fn=_cmd)

@@ -1,13 +1,19 @@
-"""A Flower deployment of ciders: certificates and keys, SuperLink, SuperNodes, launching a run.
+"""A Flower deployment of ciders: certificates and keys, SuperLink, Fleet gateway, SuperNodes, runs.
 
 What `ciders flower ...` and the loopback tests use. Flower 1.42 facts this relies on (measured; see
 docs/flower.md):
-  - the SuperLink serves Fleet, Control and Runtime APIs on ONE port (`--host/--port`, default 8000);
-    every SuperNode has its own local port for its ClientApps (`--port`, here 9094 + i);
-  - TLS: a CA plus a server certificate whose SAN covers the SuperLink address (its own helper process
-    connects to https://127.0.0.1:<port>); SuperNode authentication: one EC key pair (NIST curve,
-    OpenSSH format) per node, public keys registered with `flwr supernode register` BEFORE the node
-    connects (an unregistered node exits with code 2004 and does not retry);
+  - the SuperLink serves Fleet, Control and Runtime APIs from ONE HTTP listener (`--host/--port`;
+    `--fleet-api-address` / `--control-api-address` are deprecated and ignored), and the Control API has
+    no accounts: whoever reaches it and trusts the CA can register SuperNode keys and start ServerApps.
+    So the SuperLink listens on the CONTROL address only (127.0.0.1 or a management address, never a
+    wildcard, never the Fleet address), and `fleet_gateway` listens on the FLEET address the SuperNodes
+    use, relaying only the Fleet routes to it (`check_addresses` refuses any other layout);
+  - every SuperNode has its own local port for its ClientApps (`--port`, here 9094 + i);
+  - TLS: a CA plus a server certificate whose SAN covers the Fleet host, the Control host and 127.0.0.1
+    (the SuperLink's own helper connects to https://<control host>:<port>); SuperNode authentication: one
+    EC key pair (NIST curve, OpenSSH format) per node, its public key registered by the operator on the
+    Control address (`flwr supernode register`) BEFORE the node connects (an unregistered node is
+    refused with Flower error 2004, exits and does not retry);
   - SuperLink and SuperNode start their helpers (`flower-superexec`, `flwr-serverapp`,
     `flwr-clientapp`) by name: the environment's bin directory must be on PATH;
   - `flwr run` would `uv sync` the app's dependencies (pulling a CUDA torch): disabled with
@@ -19,6 +25,7 @@ docs/flower.md):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -81,8 +88,10 @@ def _sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def make_credentials(work: Path, n_nodes: int, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> None:
-    """A CA, a SuperLink certificate for `hosts` (SAN), and one auth key pair per SuperNode (reused if
-    present). Needs openssl and ssh-keygen."""
+    """A CA, a SuperLink certificate for `hosts` plus 127.0.0.1 and localhost (SAN: the gateway and the
+    loopback Control address), and one auth key pair per SuperNode (reused if present). Needs openssl
+    and ssh-keygen."""
+    hosts = tuple(dict.fromkeys([*hosts, "127.0.0.1", "localhost"]))
     certs, keys = work / "certs", work / "keys"
     certs.mkdir(parents=True, exist_ok=True)
     keys.mkdir(parents=True, exist_ok=True)
@@ -106,28 +115,91 @@ def make_credentials(work: Path, n_nodes: int, hosts: tuple[str, ...] = ("127.0.
             _sh(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", f"supernode{i}", "-f", str(k)])
 
 
+WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def _loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_addresses(fleet_bind: str, control_host: str) -> None:
+    """Refuse a layout that puts the Control API on the network the SuperNodes use: it must listen on a
+    loopback or management address of its own, never on every interface and never on the Fleet address."""
+    if control_host.strip() in WILDCARDS:
+        raise CidersError(f"the Control API must not listen on every interface ({control_host!r}): "
+                          "bind it to 127.0.0.1 or a management address")
+    if not _loopback(control_host) and control_host.strip("[]") == fleet_bind.strip("[]"):
+        raise CidersError(f"the Control API must not share the Fleet address {fleet_bind}: bind it to 127.0.0.1 "
+                          "or a management address the SuperNodes cannot reach")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 @dataclass
 class Deployment:
-    """SuperLink + SuperNodes started by this process, all stopped by `stop()` (process groups)."""
+    """SuperLink (Control address) + Fleet gateway (Fleet address) + SuperNodes started by this
+    process, all stopped by `stop()` (process groups)."""
 
     work: Path
-    port: int = 8000
-    host: str = "127.0.0.1"
+    port: int = 9092  # the Fleet address's port: the gateway, what SuperNodes connect to
+    host: str = "127.0.0.1"  # the Fleet host as this process and the SuperNodes reach it
     secure: bool = True  # TLS + SuperNode authentication
     node_port: int = 9094  # SuperNode i serves its ClientApps on node_port + i (127.0.0.1)
+    control_port: int = 9093  # the SuperLink itself (Control, Runtime and Fleet APIs): operator only
+    control_host: str = "127.0.0.1"  # 127.0.0.1 or a management address, never the Fleet address
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     groups: set[int] = field(default_factory=set)  # every process group started (for `leftovers`)
 
     def __post_init__(self):
+        check_addresses(self.host, self.control_host)
         self.work = Path(self.work).resolve()
         self.home = self.work / "flwr_home"
         self.logs = self.work / "logs"
         for d in (self.home, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        ca = self.work / "certs" / "ca.crt"
-        tls = f'root-certificates = "{ca}"\n' if self.secure else "insecure = true\n"
-        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONN}"\n\n[superlink.{CONN}]\n'
-                                               f'address = "{self.host}:{self.port}"\n{tls}')
+
+    @property
+    def control(self) -> str:
+        return f"{_url_host(self.control_host)}:{self.control_port}"
+
+    @property
+    def fleet(self) -> str:
+        return f"{_url_host(self.host)}:{self.port}"
+
+    def config_toml(self) -> str:
+        """The `flwr` CLI's connection: the Control address, never the Fleet one."""
+        tls = f'root-certificates = "{self.work / "certs" / "ca.crt"}"\n' if self.secure else "insecure = true\n"
+        return f'[superlink]\ndefault = "{CONN}"\n\n[superlink.{CONN}]\naddress = "{self.control}"\n{tls}'
+
+    def superlink_cmd(self) -> list[str]:
+        # in-memory SuperLink state: nothing in it is needed to resume (the run directory is), and a
+        # persisted one would keep crashed nodes "online" and refuse them for up to a minute after restart
+        c = self.work / "certs"
+        cmd = ["flower-superlink", "--host", self.control_host.strip("[]"), "--port", str(self.control_port)]
+        return cmd + (["--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.pem"),
+                       "--ssl-keyfile", str(c / "server.key"), "--enable-supernode-auth"]
+                      if self.secure else ["--insecure"])
+
+    def gateway_cmd(self, bind: str | None = None) -> list[str]:
+        c = self.work / "certs"
+        cmd = [sys.executable, "-m", "ciders.transports.flower.fleet_gateway",
+               "--listen", f"{_url_host(bind or self.host)}:{self.port}", "--upstream", self.control]
+        return cmd + (["--certfile", str(c / "server.pem"), "--keyfile", str(c / "server.key"),
+                       "--cafile", str(c / "ca.crt")] if self.secure else ["--insecure"])
+
+    def supernode_cmd(self, i: int, n: int, state_dir: Path, port: int | None = None) -> list[str]:
+        node_cfg = f'partition-id={i} num-partitions={n} state-dir="{Path(state_dir).resolve()}"'
+        cmd = ["flower-supernode", "--superlink", self.fleet, "--node-config", node_cfg,
+               "--host", "127.0.0.1", "--port", str(port or self.node_port + i)]
+        return cmd + (["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
+                       str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"])
 
     # ------------------------------------------------------------------ processes
     def _start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -138,50 +210,61 @@ class Deployment:
         self.groups.add(p.pid)
         return p
 
-    def start_superlink(self, timeout: float = 60, bind: str | None = None) -> None:
-        """Start the SuperLink listening on `bind` (default: the connection host) and wait until healthy."""
-        c = self.work / "certs"
-        # in-memory SuperLink state: nothing in it is needed to resume (the run directory is), and a
-        # persisted one would keep crashed nodes "online" and refuse them for up to a minute after restart
-        cmd = ["flower-superlink", "--host", bind or self.host, "--port", str(self.port)]
-        cmd += ["--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.pem"), "--ssl-keyfile",
-                str(c / "server.key"), "--enable-supernode-auth"] if self.secure else ["--insecure"]
-        p = self._start("superlink", cmd)
-        ctx = ssl.create_default_context(cafile=str(c / "ca.crt")) if self.secure else None
-        url = f"{'https' if self.secure else 'http'}://{self.host}:{self.port}/health"
+    def _healthy(self, name: str, hostport: str, timeout: float) -> None:
+        p = self.procs[name]
+        ctx = ssl.create_default_context(cafile=str(self.work / "certs" / "ca.crt")) if self.secure else None
+        url = f"{'https' if self.secure else 'http'}://{hostport}/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if p.poll() is not None:
-                raise CidersError(f"flower-superlink exited ({p.returncode}); see {self.logs / 'superlink.log'}")
+                raise CidersError(f"{name} exited ({p.returncode}); see {self.logs / (name + '.log')}")
             try:
                 urllib.request.urlopen(url, context=ctx, timeout=2)
                 return
             except OSError:
                 time.sleep(0.3)
-        raise CidersError(f"flower-superlink not healthy after {timeout:.0f} s; see {self.logs / 'superlink.log'}")
+        raise CidersError(f"{name} not healthy after {timeout:.0f} s; see {self.logs / (name + '.log')}")
+
+    def start_superlink(self, timeout: float = 60, bind: str | None = None) -> None:
+        """Start the SuperLink on the Control address and the Fleet gateway on `bind` (default: the Fleet
+        host) unless it is still running, and wait until both are healthy."""
+        bind = bind or self.host
+        check_addresses(bind, self.control_host)
+        self._start("superlink", self.superlink_cmd())
+        self._healthy("superlink", self.control, timeout)
+        gw = self.procs.get("fleet-gateway")
+        if gw is None or gw.poll() is not None:
+            self._start("fleet-gateway", self.gateway_cmd(bind))
+        here = self.fleet if bind.strip() in WILDCARDS else f"{_url_host(bind)}:{self.port}"
+        self._healthy("fleet-gateway", here, timeout)
 
     def flwr(self, *args: str, timeout: float = 120) -> str:
+        # written here, not at construction: every role of a deployment shares WORK, and a SuperNode
+        # role (which never runs `flwr`) must not overwrite the operator's Control address
+        cfg, text = self.home / "config.toml", self.config_toml()
+        if not cfg.is_file() or cfg.read_text() != text:
+            tmp = cfg.with_name(f"config.toml.{os.getpid()}")
+            tmp.write_text(text)
+            os.replace(tmp, cfg)  # a concurrent `flwr` never reads half a file
         return _sh(["flwr", *args], env=flower_env(self.home), cwd=self.work, timeout=timeout).stdout
 
-    def register(self, i: int) -> None:
-        """Register SuperNode i's public key (idempotent: an already registered key is fine)."""
-        if not self.secure:
-            return
-        key = self.work / "keys" / f"supernode{i}.pub"
+    def register_key(self, key: Path, name: str) -> None:
+        """The operator's act of admitting one SuperNode: register its public key on the Control address
+        (idempotent: an already registered key is fine)."""
         try:
-            self.flwr("supernode", "register", str(key), CONN, "--name", f"supernode{i}")
+            self.flwr("supernode", "register", str(Path(key).resolve()), CONN, "--name", name)
         except CidersError as exc:
             if "already" not in str(exc).lower():
                 raise
 
+    def register(self, i: int) -> None:
+        """Register SuperNode i's public key (WORK/keys/supernode<i>.pub)."""
+        if self.secure:
+            self.register_key(self.work / "keys" / f"supernode{i}.pub", f"supernode{i}")
+
     def start_supernode(self, i: int, n: int, state_dir: Path, env: dict | None = None,
                         port: int | None = None) -> subprocess.Popen:
-        node_cfg = f'partition-id={i} num-partitions={n} state-dir="{Path(state_dir).resolve()}"'
-        cmd = ["flower-supernode", "--superlink", f"{self.host}:{self.port}", "--node-config", node_cfg,
-               "--host", "127.0.0.1", "--port", str(port or self.node_port + i)]
-        cmd += ["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
-                str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"]
-        return self._start(f"supernode{i}", cmd, env)
+        return self._start(f"supernode{i}", self.supernode_cmd(i, n, state_dir, port), env)
 
     def rejoin(self, i: int, n: int, state_dir: Path, timeout: float = 180, env: dict | None = None) -> None:
         """Restart SuperNode i after a crash. The SuperLink keeps a SIGKILLed node "online" until its
@@ -310,16 +393,18 @@ class Deployment:
 
 
 def loopback(config: Path, out: Path, n_clients: int, work: Path, overrides: list[str] = (), secure: bool = True,
-             port: int = 8000, node_port: int = 9094, log=print) -> str:
-    """The whole deployment on 127.0.0.1: credentials, SuperLink, N SuperNodes (state in
-    WORK/nodes/client<i>), one run, then every process stopped. Returns the run's final status."""
+             port: int = 9092, node_port: int = 9094, log=print, control_port: int = 9093) -> str:
+    """The whole deployment on 127.0.0.1: credentials, SuperLink (Control on `control_port`), the Fleet
+    gateway (`port`), N SuperNodes (state in WORK/nodes/client<i>), one run, then every process stopped.
+    Returns the run's final status."""
     work = Path(work)
     if secure:
         make_credentials(work, n_clients)
-    dep = Deployment(work, port=port, node_port=node_port, secure=secure)
+    dep = Deployment(work, port=port, node_port=node_port, secure=secure, control_port=control_port)
     try:
         dep.start_superlink()
-        log(f"SuperLink on {dep.host}:{dep.port} ({'TLS + SuperNode auth' if secure else 'insecure'})")
+        log(f"SuperLink: Fleet on {dep.fleet}, Control on {dep.control} "
+            f"({'TLS + SuperNode auth' if secure else 'insecure'})")
         for i in range(n_clients):
             dep.register(i)
         for i in range(n_clients):
