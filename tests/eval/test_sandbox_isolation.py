@@ -133,6 +133,28 @@ def test_project_runs_and_data_are_out_of_reach(sandbox):
         shutil.rmtree(secret_dir)
 
 
+def test_data_inside_an_exposed_dir_is_covered(sandbox, monkeypatch):
+    """A toolchain dir exposed read-only that happens to hold $CIDERS_DATA: the data stays out of sight."""
+    need(sandbox, "filesystem")
+    top = Path(tempfile.mkdtemp(prefix="ciders-expose-"))
+    try:
+        (top / "data").mkdir()
+        (top / "tool.txt").write_text("tool")
+        (top / "data" / "secret.txt").write_text("data secret")
+        for p in (top, top / "data"):
+            os.chmod(p, 0o755)
+        for p in (top / "tool.txt", top / "data" / "secret.txt"):
+            os.chmod(p, 0o644)
+        monkeypatch.setenv("CIDERS_DATA", str(top / "data"))
+        sb = Sandbox(workers=1, expose=[str(top)])
+        r = run_py(sb, f"""
+            import os
+            print(open("{top}/tool.txt").read(), os.path.exists("{top}/data/secret.txt"))""")
+        assert r.stdout.split() == ["tool", "False"], (r.stdout, r.stderr[-300:])
+    finally:
+        shutil.rmtree(top)
+
+
 def test_no_host_unix_sockets(sandbox):
     """A world-connectable socket file on the host, and an abstract socket; neither may be reached."""
     need(sandbox, "filesystem")

@@ -87,6 +87,19 @@ def build_root(spec: dict) -> None:
     new, tmp_mb = spec["mnt"], spec["tmpfs_mb"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the host
     _tmpfs(new, "0755", 1)
+    _tmpfs(new + "/dev", "0755", 1, MS_NOSUID | MS_NOEXEC)
+    for n in (n for n in DEVICES if os.path.exists(f"/dev/{n}")):
+        open(f"{new}/dev/{n}", "w").close()
+        _mount(f"/dev/{n}", f"{new}/dev/{n}", None, MS_BIND)
+    for n, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                      ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{new}/dev/{n}")
+    for d in ("/dev/shm", "/tmp", "/var/tmp"):
+        _tmpfs(new + d, "1777", tmp_mb)
+    os.makedirs(new + "/proc")
+    # hidepid=2: the init (root) is invisible; the program sees only its own processes
+    _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    # then the exposed dirs (an explicitly exposed path under /tmp shows through the private /tmp)
     for d in spec["expose"]:
         dst = new + d
         if os.path.islink(d) and os.path.dirname(d) == "/":
@@ -100,18 +113,6 @@ def build_root(spec: dict) -> None:
             _mount("tmpfs", dst, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
         elif os.path.exists(dst):
             _mount("/dev/null", dst, None, MS_BIND)
-    _tmpfs(new + "/dev", "0755", 1, MS_NOSUID | MS_NOEXEC)
-    for n in (n for n in DEVICES if os.path.exists(f"/dev/{n}")):
-        open(f"{new}/dev/{n}", "w").close()
-        _mount(f"/dev/{n}", f"{new}/dev/{n}", None, MS_BIND)
-    for n, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                      ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{new}/dev/{n}")
-    for d in ("/dev/shm", "/tmp", "/var/tmp"):
-        _tmpfs(new + d, "1777", tmp_mb)
-    os.makedirs(new + "/proc")
-    # hidepid=2: the init (root) is invisible; the program sees only its own processes
-    _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     os.makedirs(new + spec["inside"])
     _bind(spec["work"], new + spec["inside"], MS_NOSUID | MS_NODEV)
     _pivot(new)

@@ -168,7 +168,7 @@ class Sandbox:
         return {"mode": self.mode, "net": self.net, "root": self.is_root, "uid": uid, "cwd": work, "env": env,
                 "limits": {**asdict(lim), "nproc": nproc}, "wall_s": lim.wall_s, "tmpfs_mb": 4 * lim.file_mb,
                 "work": str(run_dir / "work"), "mnt": str(run_dir / "root"), "inside": INSIDE,
-                "expose": list(self.expose), "hide": _hidden_paths(self.root)}
+                "expose": list(self.expose), "hide": _hidden_paths(self.root, self.expose)}
 
 
 def probe(sandbox: Sandbox) -> "Capabilities":
@@ -291,11 +291,13 @@ def _result(info: dict, out: str, err: str, seconds: float, token: str | None) -
     return Result(status, rc, seconds, out, err)
 
 
-def _hidden_paths(root: Path) -> list[str]:
-    """Paths of ours to cover should they lie inside an exposed system dir (the project, data, caches)."""
+def _hidden_paths(root: Path, expose: Sequence[str]) -> list[str]:
+    """Paths of ours (the project, data, caches) that lie inside an exposed system dir: to be covered.
+    Usually none: they live under /work, /home, /root or /srv, which the private root does not have."""
     cands = [os.getcwd(), os.environ.get("CIDERS_DATA"), os.environ.get("CIDERS_CACHE"), str(root),
              os.path.expanduser("~")]
-    return sorted({str(Path(c).resolve()) for c in cands if c} - {"/"})
+    paths = {str(Path(c).resolve()) for c in cands if c}
+    return sorted(p for p in paths if any(p.startswith(e.rstrip("/") + "/") for e in expose))
 
 
 def _claim_uids(workers: int) -> tuple[list[int], object]:
