@@ -1,10 +1,14 @@
 """HumanEval-X pass@k (Protocol A; docs/method.md#experiments-and-metrics): assemble each completion with the
 benchmark's own test harness as CodeGeeX does, compile and run it in the sandbox, and estimate pass@k without bias.
 
-  python : prompt + completion + "\\n" + test            (the test ends with check(<entry point>))
-  java   : prompt + completion + "\\n" + test  in Main.java (class Solution + public class Main), javac, java
-  go     : test_setup + import + prompt without its import block + completion + test, in main_test.go,
-           `go test` against Debian's testify (GO111MODULE=off, GOPATH=/usr/share/gocode)
+  python : prompt + completion + "\\n" + test + print(token)   (the test ends with check(<entry point>))
+  java   : prompt + completion + "\\n" + test + class CidersCheck (runs Main.main, then prints the token)
+           in Main.java (class Solution + public class Main), javac, java CidersCheck
+  go     : test_setup + import + prompt without its import block + completion + test, in main_test.go, and
+           a TestMain printing the token in ciders_check_test.go; `go test` against Debian's testify
+           (GO111MODULE=off, GOPATH=/usr/share/gocode)
+The token is a fresh secret per sample; the sandbox passes a sample only if it exits 0 with the token on
+stdout, so a completion that exits early with status 0 (sys.exit, System.exit, os.Exit) fails.
 Toolchains come from Debian (python3, default-jdk, golang-go, golang-github-stretchr-testify-dev).
 """
 
@@ -14,6 +18,7 @@ import gzip
 import json
 import math
 import os
+import secrets
 import shutil
 import subprocess
 from collections import defaultdict
@@ -70,16 +75,24 @@ def truncate(language: str, completion: str) -> str:
     return completion[:cut]
 
 
-def program(language: str, problem: dict, completion: str) -> tuple[dict[str, str], list[str], dict[str, str]]:
-    """(files, command, env) that run one completion against the problem's tests."""
+def program(language: str, problem: dict, completion: str,
+            token: str) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """(files, command, env) that run one completion against the problem's tests and print `token` only once
+    the tests have run to the end (the sandbox passes a sample only with that token on stdout, so a completion
+    that exits early with status 0 fails)."""
     if language == "python":
-        code = "\n".join(PY_HELPER) + "\n" + problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+        code = ("\n".join(PY_HELPER) + "\n" + problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+                + f"print({token!r}, flush=True)\n")
         return {"prog.py": code}, [python_executable(), "prog.py"], {}
     if language == "java":
         jflags = " ".join(JVM)
         jcflags = " ".join("-J" + f for f in JVM)
-        return ({"Main.java": problem["prompt"] + completion + "\n" + problem["test"] + "\n"},
-                ["/bin/sh", "-c", f"javac {jcflags} -encoding UTF-8 Main.java && java {jflags} Main"], {})
+        # a second class runs the benchmark's Main.main and prints the token if it returned normally
+        runner = ("class CidersCheck {\n    public static void main(String[] args) throws Throwable {\n"
+                  f"        Main.main(args);\n        System.out.println(\"{token}\");\n        System.out.flush();\n"
+                  "    }\n}\n")
+        return ({"Main.java": problem["prompt"] + completion + "\n" + problem["test"] + "\n" + runner},
+                ["/bin/sh", "-c", f"javac {jcflags} -encoding UTF-8 Main.java && java {jflags} CidersCheck"], {})
     if language == "go":
         setup = problem["test_setup"]
         imp = problem.get("import", "")
@@ -89,8 +102,16 @@ def program(language: str, problem: dict, completion: str) -> tuple[dict[str, st
         code = setup + "\n" + imports + prompt + completion + "\n" + problem["test"] + "\n"
         env = {"GOPATH": GOPATH, "GO111MODULE": "off", "GOFLAGS": "-count=1", "GOCACHE": "$WORK/.gocache",
                "GOTOOLCHAIN": "local", "CGO_ENABLED": "0"}
-        return {"main_test.go": code}, ["go", "test", "."], env
+        # local directory mode (`go test`, no package): the test binary's stdout is shown even when it passes
+        return {"main_test.go": code, "ciders_check_test.go": _go_check(token)}, ["go", "test"], env
     raise CidersError(f"language {language!r} is not supported")
+
+
+def _go_check(token: str) -> str:
+    """A TestMain, in a file of its own (own imports, aliased): the token only after every test passed."""
+    return ('package main\n\nimport (\n    ciders_fmt "fmt"\n    ciders_os "os"\n    ciders_testing "testing"\n)\n\n'
+            "func TestMain(m *ciders_testing.M) {\n    code := m.Run()\n    if code == 0 {\n"
+            f'        ciders_fmt.Println("{token}")\n    }}\n    ciders_os.Exit(code)\n}}\n')
 
 
 @lru_cache(maxsize=1)
@@ -147,13 +168,14 @@ class Scorer:
         self._root = Path(work_root) if work_root else Path(os.environ.get("CIDERS_CACHE", Path.home() / ".cache" / "ciders"))
 
     def job(self, language: str, problem: dict, completion: str) -> Job:
-        files, cmd, env = program(language, problem, completion)
+        token = secrets.token_hex(16)  # fresh per sample: no completion can know it in advance
+        files, cmd, env = program(language, problem, completion, token)
         prepare = None
         if language == "go":
             if self._go is None:
                 self._go = _GoCache(self._root)
             prepare = self._go.prepare
-        return Job(cmd, files, env, LIMITS[language], prepare)
+        return Job(cmd, files, env, LIMITS[language], prepare, pass_token=token)
 
     def run(self, language: str, problems: Sequence[dict], completions: Sequence[str], progress=None) -> list[Result]:
         check_toolchain(language)
