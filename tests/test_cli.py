@@ -146,7 +146,7 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, vec_run, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(os, "replace", full)
         assert main(["report", str(vec_run), "--out", str(tmp_path / "site")]) == 2
-    _one_line_error(capsys, "cannot write ", "index.html: disk full (No space left on device)")
+    _one_line_error(capsys, "cannot write ", "index.html: disk full (ENOSPC)")
     assert not list((tmp_path / "site").rglob("*.tmp")) and not list((tmp_path / "site").glob(".*partial"))
 
 
@@ -161,7 +161,7 @@ def test_a_read_only_disk_below_any_guard_is_one_line_too(capsys, monkeypatch):
 
     monkeypatch.setattr(ciders.report.html, "write_report", read_only)
     assert main(["report", "/some/run"]) == 2
-    _one_line_error(capsys, "cannot write /mnt/ro/report/fig_loss.png: read-only file system")
+    _one_line_error(capsys, "cannot write /mnt/ro/report/fig_loss.png: read-only file system (EROFS)")
 
 
 def test_out_of_memory_is_one_line(capsys, monkeypatch, tmp_path):

@@ -477,7 +477,8 @@ def _out_of_memory(exc: BaseException) -> CidersError | None:
         return None
     tried = re.search(r"tried to allocate ([^.;]+)", text)
     return CidersError(f"out of memory{f' (tried to allocate {tried.group(1)})' if tried else ''}: the config's "
-                       "sizes (model, batch sizes, widths, clients in memory) do not fit this machine; make them smaller")
+                       "sizes (model, batch sizes, widths, clients in memory) do not fit this machine; make them "
+                       "smaller")
 
 
 def _storage(exc: BaseException) -> CidersError | None:

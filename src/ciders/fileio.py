@@ -35,9 +35,9 @@ def storage_error(exc: BaseException, path: str | os.PathLike, codes=frozenset(_
     why = _STORAGE.get(code) if code in codes else None
     if why is None:
         return None
-    return CidersError(f"cannot write {path}: {why} ({os.strerror(code)}); what was last committed is intact: "
-                       "make room (or point --out at a writable place) and run the command again, with --resume "
-                       "for a run")
+    return CidersError(f"cannot write {path}: {why} ({errno.errorcode.get(code, code)}); what was last committed "
+                       "is intact: free space or make the place writable (or choose another --out), then run the "
+                       "command again (a run continues with --resume)")
 
 
 @contextmanager
@@ -173,19 +173,19 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def remove_leftovers(root: str | os.PathLike, skip: tuple[str, ...] = ()) -> int:
-    """Delete the scratch files and directories that atomic_path / atomic_dir leave when the process is
-    killed inside them, anywhere under `root` except the top-level entries named in `skip`. Returns how
-    many. Only names of the scratch pattern are touched."""
+def remove_leftovers(root: str | os.PathLike, within: tuple[str, ...] | None = None) -> int:
+    """Delete the scratch files and directories that atomic_path / atomic_dir / output_dir leave when the
+    process is killed inside them: in `root` itself and, recursively, in its subdirectories named in
+    `within` (every one when None). Only names of the scratch pattern are touched. Returns how many."""
     root, n = Path(root), 0
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        if here == root:
-            dirnames[:] = [d for d in dirnames if d not in skip]
         for name in [d for d in dirnames if LEFTOVER.match(d)]:
             shutil.rmtree(here / name, ignore_errors=True)
             dirnames.remove(name)
             n += 1
+        if here == root and within is not None:
+            dirnames[:] = [d for d in dirnames if d in within]
         for name in filenames:
             if LEFTOVER.match(name):
                 (here / name).unlink(missing_ok=True)

@@ -146,7 +146,9 @@ def test_resume_removes_what_a_killed_process_left(tmp_path):
     with pytest.raises(SimulatedCrash):
         run_ciders(out, faults=Faults(crash=(2, "checkpoint")))
     assert RunDir(out).committed() == 1
-    mine = [out / "notes.tmp", out / "keep.partial.txt"]  # the operator's files: not of the scratch pattern
+    # the operator's files: not of the scratch pattern, or in a directory a run does not write
+    (out / "mine").mkdir()
+    mine = [out / "notes.tmp", out / "keep.partial.txt", out / "mine" / ".draft.txt.abcd1234.tmp"]
     for p in mine:
         p.write_text("mine")
     planted = plant_leftovers(out, 1)
@@ -193,7 +195,8 @@ def test_a_full_disk_at_the_commit_keeps_the_last_commit_and_resume_continues(tm
     with monkeypatch.context() as m:
         # the round-1 commit point cannot be written (round 0's went through)
         refuse_replace(m, errno.ENOSPC, lambda dst: dst.name == "LATEST" and RunDir(out).committed() == 0)
-        with pytest.raises(CidersError, match=r"cannot write .*LATEST: disk full \(No space left on device\)"):
+        full = r"cannot write .*LATEST: disk full \(ENOSPC\); what was last committed is intact"
+        with pytest.raises(CidersError, match=full):
             run_ciders(out)
     assert RunDir(out).committed() == 0 and json.loads((out / "checkpoints" / "LATEST").read_text()) == {"round": 0}
     assert not [p for p in out.rglob("*.tmp")]  # the failed write cleaned up after itself

@@ -16,6 +16,7 @@ from ciders.fileio import acquire_lock, atomic_dir, read_jsonl, remove_leftovers
 from ciders.runtime import derive_seed
 
 MIB = 2**20
+RUN_SUBDIRS = ("checkpoints", "clients", "server", "eval", "adapters", "teacher_cache")  # a run writes below root
 
 
 def sample_clients(ids: list[str], m: int | None, seed: int, t: int) -> list[str]:
@@ -60,11 +61,12 @@ class RunDir:
             shutil.rmtree(old, ignore_errors=True)
 
     def remove_leftovers(self, committed: int | None) -> int:
-        """What a killed process left behind: atomic-write scratch (*.tmp, *.partial) anywhere in the run
-        directory, and checkpoint directories of rounds after `committed` (written, never committed; all of
-        them when nothing is committed). Client state on Flower (flower-clients/) is its clients' own.
-        Returns how many entries were removed."""
-        n = remove_leftovers(self.root, skip=("flower-clients",))
+        """What a killed process left behind: atomic-write scratch (*.tmp, *.partial) in the run directory
+        and the subdirectories a run writes, and checkpoint directories of rounds after `committed` (written,
+        never committed; all of them when nothing is committed). Client state on Flower (flower-clients/)
+        is its clients' own; other directories (an --out given with --force) are not searched. Returns how
+        many entries were removed."""
+        n = remove_leftovers(self.root, within=RUN_SUBDIRS)
         last = -1 if committed is None else committed + 1  # round t lives in round_{t+1}
         for d in self.ckpt.glob("round_*") if self.ckpt.is_dir() else ():
             idx = d.name[len("round_"):]
