@@ -1,3 +1,4 @@
+import pytest
 import yaml
 
 from ciders.cli import main
@@ -49,3 +50,149 @@ def test_run_refuses_to_overwrite(tmp_path, capsys):
     assert RunDir(tmp_path).committed() == 1
     assert main(["run", str(ROOT / "configs" / "tiny.yaml"), "--out", str(tmp_path)]) == 2
     assert "already holds a run (round 1 committed); pass --resume" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- output directories: never someone else's files
+
+
+def _mine(d):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "notes.txt").write_text("mine")
+    return d
+
+
+def _one_line_error(capsys, *parts):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ciders: error: ") and all(p in err for p in parts), err
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "configs/tiny.yaml"], ["distill", "configs/tiny.yaml"], ["compare", "configs/tiny.yaml"],
+    ["sweep", "configs/tiny.yaml", "--grid", "seed=0,1"], ["bilevel", "configs/cpu/rabo_fewshot.yaml"],
+    ["compare", "configs/cpu/rabo_losstune.yaml"],
+])
+def test_experiment_commands_refuse_an_out_holding_files_ciders_did_not_write(tmp_path, capsys, argv):
+    out = _mine(tmp_path / "out")
+    assert main([argv[0], str(ROOT / argv[1]), *argv[2:], "--out", str(out)]) == 2
+    _one_line_error(capsys, f"{out} holds files ciders did not write", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+def test_another_commands_output_is_refused_too(tmp_path, capsys):
+    from ciders.fileio import claim_output
+
+    out = claim_output(tmp_path / "c", "compare")
+    (out / "compare.json").write_text("{}")
+    assert main(["run", str(ROOT / "configs" / "tiny.yaml"), "--out", str(out)]) == 2
+    _one_line_error(capsys, "is the output of `ciders compare`")
+
+
+def test_check_output_accepts_new_empty_own_and_legacy_directories(tmp_path):
+    from ciders.errors import CidersError
+    from ciders.fileio import MARKER, check_output, claim_output
+
+    assert check_output(tmp_path / "new", "run") is False
+    (tmp_path / "empty").mkdir()
+    assert check_output(tmp_path / "empty", "run") is False
+    own = claim_output(tmp_path / "own", "run")
+    (own / "notes.txt").write_text("mine")
+    assert check_output(own, "run") is True and (own / MARKER).is_file()
+    legacy = _mine(tmp_path / "legacy")
+    (legacy / "checkpoints").mkdir()
+    (legacy / "checkpoints" / "LATEST").write_text('{"round": 0}')  # a run written before markers
+    assert check_output(legacy, "run", legacy=("checkpoints/LATEST",)) is True
+    with pytest.raises(CidersError, match="holds files ciders did not write"):
+        check_output(legacy, "run")
+    assert check_output(legacy, "run", force=True) is False
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CidersError, match="is a file"):
+        check_output(tmp_path / "f", "run", force=True)
+
+
+@pytest.fixture
+def vec_run(tmp_path):
+    from ciders.federation.loop import run_federation
+    from synthetic import VectorTask
+
+    cfg = load_config(None, ["federation.clients=3", "federation.rounds=2", "algorithm.local_steps=2"])
+    run_federation(cfg, VectorTask(3), tmp_path / "run", progress=False, log=lambda s: None)
+    return tmp_path / "run"
+
+
+def test_report_keeps_files_it_did_not_write(tmp_path, capsys, vec_run):
+    target = _mine(tmp_path / "site" / "report")
+    (target / "fig_loss.png").write_bytes(b"my figure")  # a name the report also writes
+    (target / "fig_mine.png").write_bytes(b"my other figure")
+    assert main(["report", str(vec_run), "--out", str(tmp_path / "site")]) == 2
+    _one_line_error(capsys, f"{target} holds files ciders did not write")
+    assert (target / "fig_loss.png").read_bytes() == b"my figure"
+    assert main(["report", str(vec_run), "--out", str(tmp_path / "site"), "--force"]) == 0
+    assert (target / "index.html").is_file() and (target / "fig_loss.png").read_bytes() != b"my figure"
+    assert (target / "fig_mine.png").read_bytes() == b"my other figure" and (target / "notes.txt").is_file()
+    assert main(["report", str(vec_run), "--out", str(tmp_path / "site")]) == 0  # its own output: no --force
+    assert (target / "fig_mine.png").is_file() and (target / "notes.txt").is_file()
+
+
+# ----------------------------------------------------------------- the machine's limits: one line, not a traceback
+
+
+def test_a_full_disk_is_one_line(tmp_path, capsys, vec_run, monkeypatch):
+    import errno
+    import os
+
+    def full(src, dst, *a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", full)
+        assert main(["report", str(vec_run), "--out", str(tmp_path / "site")]) == 2
+    _one_line_error(capsys, "cannot write ", "index.html: disk full (ENOSPC)")
+    assert not list((tmp_path / "site").rglob("*.tmp")) and not list((tmp_path / "site").glob(".*partial"))
+
+
+def test_a_read_only_disk_below_any_guard_is_one_line_too(capsys, monkeypatch):
+    import errno
+    import os
+
+    import ciders.report.html
+
+    def read_only(path, out=None, force=False):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), "/mnt/ro/report/fig_loss.png")
+
+    monkeypatch.setattr(ciders.report.html, "write_report", read_only)
+    assert main(["report", "/some/run"]) == 2
+    _one_line_error(capsys, "cannot write /mnt/ro/report/fig_loss.png: read-only file system (EROFS)")
+
+
+def test_out_of_memory_is_one_line(capsys, monkeypatch, tmp_path):
+    import ciders.experiments.theory
+
+    def huge(*a, **kw):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 360000000000000000 bytes. Error code 12")
+
+    with monkeypatch.context() as m:
+        m.setattr(ciders.experiments.theory, "run_theory", huge)
+        assert main(["theory"]) == 2
+    _one_line_error(capsys, "out of memory (tried to allocate 360000000000000000 bytes)")
+    from helpers import shared
+
+    shared("omniglot", "images_background_small1.zip")
+    small = ["federation.clients=2", "federation.rounds=1", "task.eval_episodes=2", "task.width=100000000"]
+    assert main(["bilevel", str(ROOT / "configs/cpu/rabo_fewshot.yaml"), "--methods", "rabo", "--out",
+                 str(tmp_path / "b"), *[x for kv in small for x in ("--set", kv)]]) == 2
+    _one_line_error(capsys, "out of memory")
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["theory", "--eta", "nan"], "argument --eta: must be a finite number, got 'nan'"),
+    (["theory", "--tau", "inf"], "argument --tau: must be a finite number, got 'inf'"),
+    (["theory", "--clients", "0"], "argument --clients: must be an integer >= 1, got '0'"),
+    (["theory", "--seed", str(2**64)], "argument --seed: must be an integer in [0, 2**32)"),
+    (["plan", "tiny-qwen2", "-a", "2", "--lora-alpha", "inf"], "argument --lora-alpha: must be a finite number"),
+    (["eval", "run", "--limit", "0"], "argument --limit: must be an integer >= 1"),
+])
+def test_bad_command_line_numbers_are_argparse_errors(capsys, argv, err):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and err in capsys.readouterr().err

@@ -1,3 +1,4 @@
+import re
 from dataclasses import dataclass as dataclasses_dataclass
 from typing import Literal, Optional  # noqa: F401 - resolved in _Toy's string annotations
 from typing import get_args as typing_get_args
@@ -255,3 +256,88 @@ def test_the_family_is_declared_not_guessed(tmp_path):
         load_experiment(p)
     with pytest.raises(ConfigError, match="cannot be overridden"):
         load_experiment(None, ["family=bilevel"])
+
+
+# ------------------------------------------------------------------------- non-finite numbers and seeds
+
+
+def _float_keys(cls, prefix=""):
+    """(key, is_tuple) of every float-typed leaf key (float, float | None, tuple[float, ...])."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _float_keys(tp, f"{prefix}{f.name}.")
+        elif typing.get_origin(tp) is tuple and float in typing.get_args(tp):
+            yield f"{prefix}{f.name}", True
+        elif tp is float or float in typing.get_args(tp):
+            yield f"{prefix}{f.name}", False
+
+
+def _families():
+    from ciders.config import FAMILIES
+
+    return list(FAMILIES.items())
+
+
+def test_every_float_key_of_every_family_rejects_nan_and_inf(tmp_path):
+    import dataclasses
+
+    from ciders.config import load_experiment
+
+    n = 0
+    for fam, cls in _families():
+        keys = list(_float_keys(cls))
+        assert len(keys) > 10, fam
+        for key, is_tuple in keys:
+            where = f"{key}[1]" if is_tuple else key
+            for raw, shown, yaml_too in (("nan", "nan", False), ("-inf", "-inf", False), (".nan", "nan", True),
+                                         (".inf", "inf", True), ("-.Inf", "-inf", True)):
+                value = f"[1.0, {raw}]" if is_tuple else raw
+                msg = f"^{re.escape(where)}: must be a finite number, got {shown}$"
+                with pytest.raises(ConfigError, match=msg):  # --set
+                    load_config(None, [f"{key}={value}"], cls=cls)
+                if yaml_too:  # in a file, YAML spells them .nan / .inf (a bare nan is a string: not a number)
+                    parts = key.split(".")
+                    text = f"family: {fam}\n" + "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(parts[:-1]))
+                    text += f"{'  ' * (len(parts) - 1)}{parts[-1]}: {value}\n"
+                    with pytest.raises(ConfigError, match=msg):
+                        load_experiment(write(tmp_path, text))
+                n += 1
+        # a config built in Python is checked by validate()
+        cfg = load_config(None, cls=cls)
+        key, is_tuple = keys[0]
+        head, _, leaf = key.rpartition(".")
+        section = getattr(cfg, head) if head else cfg
+        bad = dataclasses.replace(section, **{leaf: (float("nan"),) if is_tuple else float("nan")})
+        with pytest.raises(ConfigError, match=f"^{key}.*: must be a finite number, got nan$"):
+            (dataclasses.replace(cfg, **{head: bad}) if head else bad).validate()
+    assert n > 100
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**64, "1.5"])
+def test_seeds_outside_what_every_generator_takes_are_rejected(seed):
+    for _, cls in _families():
+        with pytest.raises(ConfigError, match="^seed: "):
+            load_config(None, [f"seed={seed}"], cls=cls)
+        assert load_config(None, [f"seed={2**32 - 1}"], cls=cls).seed == 2**32 - 1
+
+
+def test_compare_seeds_are_checked_like_the_config_seed():
+    from ciders.errors import CidersError
+    from ciders.experiments.compare import parse_seeds
+
+    assert parse_seeds("0,4294967295") == [0, 2**32 - 1]
+    with pytest.raises(CidersError, match=r"--seeds: must be an integer in \[0, 2\*\*32\), got -1"):
+        parse_seeds("0,-1")
+
+
+def test_numbers_in_an_overridden_list_are_numbers():
+    from ciders.config.bilevel import BilevelExperiment
+
+    cfg = load_config(None, ["federation.capacities=[1e-1, 5e-1, 1]"], cls=BilevelExperiment)
+    assert cfg.federation.capacities == (0.1, 0.5, 1.0)
+    assert load_config(None, ["lora.student.targets=[q_proj, v_proj]"]).lora.student.targets == ("q_proj", "v_proj")

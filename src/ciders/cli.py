@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -49,11 +51,26 @@ def _load_cfg(a: argparse.Namespace, family: str = "ciders"):
     return cfg
 
 
+# Files that mark a directory an earlier version of a command wrote before output markers existed: such a
+# directory is still the command's own (`fileio.check_output`); anything else non-empty needs --force.
+LEGACY_OUTPUTS = {"run": ("checkpoints/LATEST",), "distill": ("adapters/student",),
+                  "bilevel": ("bilevel.md", "table.md"), "compare": ("compare.json",), "sweep": ("sweep.json",),
+                  "export": ("ciders_export.json",), "report": ("index.html",)}
+
+
+def _claim(a: argparse.Namespace, out: Path, command: str | None = None) -> Path:
+    """Refuse an --out that holds someone else's files (unless --force); mark it as this command's."""
+    from ciders.fileio import claim_output
+
+    command = command or a.cmd
+    return claim_output(out, command, getattr(a, "force", False), LEGACY_OUTPUTS.get(command, ()))
+
+
 def _cmd_distill(a: argparse.Namespace) -> int:
     from ciders.workloads.prealign import run_prealign
 
     cfg = _load_cfg(a)
-    out = Path(a.out) if a.out else Path("runs") / cfg.name
+    out = _claim(a, Path(a.out) if a.out else Path("runs") / cfg.name)
     run_prealign(cfg, out)
     print(f"run directory: {out}")
     return 0
@@ -63,7 +80,7 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
     from ciders.experiments.bilevel import run_experiment
 
     exp = _load_cfg(a, "bilevel")
-    out = Path(a.out) if a.out else Path("runs") / exp.name
+    out = _claim(a, Path(a.out) if a.out else Path("runs") / exp.name, "bilevel")  # also `compare` on this family
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if a.seeds is None and not a.grid:
         run_experiment(exp, out, methods, engine=a.engine, resume=getattr(a, "resume", False))
@@ -86,7 +103,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     cfg = _load_cfg(a)
     out = Path(a.out) if a.out else Path("runs") / cfg.name
     RunDir(out).refuse_unless(a.resume)  # before a Flower simulation starts (the run checks again)
-    out.mkdir(parents=True, exist_ok=True)
+    _claim(a, out)
     if a.engine == "flower-sim":
         from ciders.transports.flower.server_app import run_simulation
 
@@ -109,7 +126,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     a.algorithms = a.algorithms or "ciders-fo,ciders-fd,fedbiot,fedot,localot"
     cfg = _load_cfg(a)
     methods, seeds = parse_methods(a.algorithms), parse_seeds(a.seeds)
-    out = Path(a.out) if a.out else Path("runs") / f"compare-{cfg.name}"
+    out = _claim(a, Path(a.out) if a.out else Path("runs") / f"compare-{cfg.name}")
     run_compare(cfg, methods, seeds, out)
     print((out / "compare.md").read_text())
     print(f"comparison directory: {out} (compare.md, compare.json; `ciders report {out}` draws it)")
@@ -124,7 +141,7 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
     grid = parse_grid(a.grid or [])
     if not grid:
         raise CidersError("sweep: give at least one --grid KEY=v1,v2")
-    out = Path(a.out) if a.out else Path("runs") / f"sweep-{cfg.name}"
+    out = _claim(a, Path(a.out) if a.out else Path("runs") / f"sweep-{cfg.name}")
     metrics = tuple(m.strip() for m in a.metrics.split(",") if m.strip())
     run_sweep(cfg, grid, parse_methods(a.algorithms), parse_seeds(a.seeds), out, metrics)
     print((out / "sweep.md").read_text())
@@ -135,7 +152,7 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
 def _cmd_report(a: argparse.Namespace) -> int:
     from ciders.report.html import write_report
 
-    page = write_report(a.path, a.out)
+    page = write_report(a.path, a.out, force=a.force)
     print(f"report: {page}")
     return 0
 
@@ -155,11 +172,13 @@ def _cmd_theory(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     from ciders.config import load_config
     from ciders.workloads.prealign import build
+    from ciders.fileio import check_output
     from ciders.models.export import export_edge_model
 
     run = Path(a.run_dir)
     if not (run / "config.yaml").is_file():
         raise CidersError(f"{run}: not a run directory (no config.yaml)")
+    check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"])  # export_edge_model writes the marker
     cfg = load_config(run / "config.yaml")
     d, tok = build(cfg)
     if a.client:
@@ -253,11 +272,47 @@ def _cmd_cache(a: argparse.Namespace) -> int:
     return 0
 
 
+def _finite(text: str) -> float:
+    """argparse type: a float that is finite (float() also reads nan and inf)."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def _at_least(low: int):
+    def check(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return v
+
+    check.__name__ = f"integer >= {low}"  # argparse names the type in its 'invalid ... value' message
+    return check
+
+
+def _seed(text: str) -> int:
+    from ciders.config import check_seed
+    from ciders.errors import ConfigError
+
+    try:
+        return check_seed(int(text), "")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).lstrip(": ")) from None
+
+
 def _experiment_args(p: argparse.ArgumentParser, config_help: str, out_help: str) -> None:
-    """The arguments every experiment command shares: CONFIG, --set overrides, --out."""
+    """The arguments every experiment command shares: CONFIG, --set overrides, --out, --force."""
     p.add_argument("config", help=config_help)
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", help=out_help)
+    _force_arg(p)
+
+
+def _force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty --out that is not this command's earlier output (files with the "
+                        "names it writes are replaced; nothing else is deleted)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -269,13 +324,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="hub id, model directory, config.json path, or built-in name")
     p.add_argument("--messenger-layers", "-a", type=int, required=True, help="a: top layers in the messenger")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--drop-ratio", type=float, help="1 - beta (default 0.2)")
-    g.add_argument("--beta", type=float, help="compression rate in (0, 1]")
+    g.add_argument("--drop-ratio", type=_finite, help="1 - beta (default 0.2)")
+    g.add_argument("--beta", type=_finite, help="compression rate in (0, 1]")
     g.add_argument("--student-layers", type=int, help="n' explicitly")
     p.add_argument("--rounding", choices=("round", "floor"), default="round")
     p.add_argument("--lora-rank", type=int, default=4)
     p.add_argument("--student-lora-rank", type=int, default=None, help="default: --lora-rank")
-    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-alpha", type=_finite, default=16.0)
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default q,k,v,o,gate,up,down _proj)")
     p.add_argument("--upload-personalized-messenger", action="store_true",
                    help="count the client's messenger in the uplink (what the paper's Table VI counts)")
@@ -334,26 +389,28 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="self-contained HTML page + PNG figures for a run, compare or sweep directory")
     p.add_argument("path", help="a run directory, a `ciders compare` directory or a `ciders sweep` directory")
     p.add_argument("--out", help="write DIR/report/ instead of PATH/report/")
+    _force_arg(p)
     p.set_defaults(fn=_cmd_report)
 
     p = sub.add_parser("theory", help="Prop. 2 (docs/method.md) on synthetic clients: measured DR/PPR vs psi_t per round")
-    p.add_argument("--clients", type=int, default=5)
-    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--clients", type=_at_least(1), default=5)
+    p.add_argument("--dim", type=_at_least(1), default=16)
     p.add_argument("--K", type=int, default=5)
-    p.add_argument("--eta", type=float, default=0.05)
-    p.add_argument("--gamma", type=float, default=0.5)
-    p.add_argument("--alpha", type=float, default=0.1)
-    p.add_argument("--eps-prox", type=float, default=0.0)
-    p.add_argument("--tau", type=float, default=0.02)
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--eta", type=_finite, default=0.05)
+    p.add_argument("--gamma", type=_finite, default=0.5)
+    p.add_argument("--alpha", type=_finite, default=0.1)
+    p.add_argument("--eps-prox", type=_finite, default=0.0)
+    p.add_argument("--tau", type=_finite, default=0.02)
+    p.add_argument("--rounds", type=_at_least(0), default=30)
     p.add_argument("--loss", choices=("linear", "quadratic"), default="linear")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per round")
     p.set_defaults(fn=_cmd_theory)
 
     p = sub.add_parser("export", help="write the edge model (AdapEmu, LoRA merged) as a plain HF directory")
     p.add_argument("run_dir")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the edge model's directory (a new or empty one, or an earlier export)")
+    _force_arg(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--messenger", help="PEFT messenger directory to use instead of the run's global one")
     g.add_argument("--client", help="use this client's personalized messenger from the run's client store")
@@ -365,16 +422,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--path", default="adapemu", choices=("adapemu", "adapfu", "teacher"),
                    help="edge path (messenger + B_L), full path (messenger + B_F), or the pretrained model")
     p.add_argument("--messenger", default="global", help="global, or client:ID for a personalized messenger")
-    p.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
+    p.add_argument("--limit", type=_at_least(1), help="evaluate only the first N examples of each task")
     p.set_defaults(fn=_cmd_eval)
 
     p = sub.add_parser("score-code", help="score pre-generated HumanEval-X completions in the sandbox (pass@k)")
     p.add_argument("--language", required=True, choices=("python", "java", "go"))
     p.add_argument("--completions", required=True, help="jsonl: {task_id, completion} per line")
-    p.add_argument("--samples-per-task", type=int, help="completions per task (checked); adds pass@N")
+    p.add_argument("--samples-per-task", type=_at_least(1), help="completions per task (checked); adds pass@N")
     p.add_argument("--k", help="comma-separated k for pass@k (default 1)")
     p.add_argument("--problems", help="problems file (default $CIDERS_DATA/humaneval-x/humaneval_<lang>.jsonl.gz)")
-    p.add_argument("--workers", type=int, default=2, help="concurrent sandboxed programs")
+    p.add_argument("--workers", type=_at_least(1), default=2, help="concurrent sandboxed programs")
     p.set_defaults(fn=_cmd_score_code)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with its default and help")
@@ -402,6 +459,38 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `ciders config --keys | head`
         return 0
+    except Exception as exc:  # the machine's limits, met below code that could not name them
+        err = _storage(exc) or _out_of_memory(exc)
+        if err is None:
+            raise
+        print(f"ciders: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _out_of_memory(exc: BaseException) -> CidersError | None:
+    """A config whose sizes do not fit in memory (e.g. task.width: 1e8): torch raises MemoryError, its
+    OutOfMemoryError (CUDA) or a RuntimeError from the CPU allocator."""
+    text = str(exc)
+    oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))
+    if not oom:
+        return None
+    tried = re.search(r"tried to allocate ([^.;]+)", text)
+    return CidersError(f"out of memory{f' (tried to allocate {tried.group(1)})' if tried else ''}: the config's "
+                       "sizes (model, batch sizes, widths, clients in memory) do not fit this machine; make them "
+                       "smaller")
+
+
+def _storage(exc: BaseException) -> CidersError | None:
+    """The one-line error for a failure caused by a full or read-only disk (also as the cause of another
+    exception), else None. Permission errors keep their traceback here: they need not come from a write."""
+    from ciders.fileio import FULL_OR_READ_ONLY, storage_error
+
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is not None and (err := storage_error(e, getattr(e, "filename", None) or "a file",
+                                                   FULL_OR_READ_ONLY)) is not None:
+            return err
+    return None
 
 
 if __name__ == "__main__":

@@ -24,8 +24,16 @@ def resolve_device(name: str = "auto", key: str = "model.device") -> torch.devic
         dev = torch.device(name)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"{key}: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from exc
+    if dev.type not in ("cpu", "cuda", "mps"):  # torch knows more types (meta, xla, ...); ciders runs on these
+        raise ConfigError(f"{key}: unsupported device {name!r} (use auto, cpu, cuda, cuda:N or mps)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}: {name!r} requested but CUDA is not available here; use device: auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"{key}: {name!r} requested but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s) (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    mps = getattr(torch.backends, "mps", None)
+    if dev.type == "mps" and not (mps is not None and mps.is_available()):
+        raise ConfigError(f"{key}: {name!r} requested but Apple MPS is not available here; use device: auto")
     return dev
 
 

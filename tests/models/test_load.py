@@ -1,3 +1,4 @@
+import importlib.util
 import json
 
 import pytest
@@ -56,6 +57,39 @@ def test_device_and_dtype_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_devices_this_machine_lacks_are_one_line_errors(monkeypatch):
+    """cuda:N past the device count (a GPU machine), MPS off a Mac, torch-only device types: a ConfigError
+    naming the key, not a traceback from the first tensor moved there."""
+    from ciders.errors import ConfigError
+    from ciders.runtime import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ConfigError, match=r"^model.device: 'cuda:99' requested but this machine has 2 CUDA device"):
+        resolve_device("cuda:99")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^device: 'mps' requested but Apple MPS is not available"):
+        resolve_device("mps", "device")
+    for name in ("meta", "xla"):
+        with pytest.raises(ConfigError, match=f"^model.device: unsupported device '{name}'"):
+            resolve_device(name)
+
+
+@pytest.mark.parametrize("attn", ["flash", "flash_attention_2", "kernels-community/no-such-kernel"])
+def test_an_attention_backend_that_cannot_be_used_is_a_config_error(attn):
+    """Unknown to transformers (ValueError) or its kernels not installed (ImportError, at least on this
+    machine: skipped where flash-attn is installed)."""
+    from ciders.errors import ConfigError
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(ConfigError, match=f"^model.attn_implementation: '{attn}' cannot be used here") as e:
+        L.load_model("tiny-qwen2", attn_implementation=attn)
+    assert "\n" not in str(e.value)
+    assert L.load_model("tiny-qwen2", attn_implementation="sdpa") is not None
 
 
 def _builder(calls, fail_after_first_file=False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -345,9 +346,39 @@ class FederationConfig:
             raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
 
 
+def _finite(key: str, value: float) -> float:
+    # NaN passes every range check (all comparisons are false) and inf passes the one-sided ones
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value}")
+    return value
+
+
+def check_finite(cfg: Any, where: str = "") -> None:
+    """Every float value of `cfg` and its sections (tuples of floats too) is finite: also for a config
+    built in Python, which `from_dict`'s own check does not see."""
+    for f in dataclasses.fields(cfg):
+        key, v = f"{where}.{f.name}" if where else f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            check_finite(v, key)
+        for i, x in enumerate(v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, float):
+                _finite(f"{key}[{i}]" if isinstance(v, tuple) else key, x)
+
+
+SEED_RANGE = 2**32  # what every generator accepts (NumPy's is the smallest); seeds are ids, not magnitudes
+
+
+def check_seed(seed: Any, key: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_RANGE:
+        raise ConfigError(f"{key}: must be an integer in [0, 2**32), got {seed!r}")
+    return seed
+
+
 def validate_sections(cfg: Any) -> None:
-    """Check every Literal-typed key against its choices (any section, from any module), then run every
-    section's own validate() (the cross-field checks stay with the experiment class)."""
+    """Check every float is finite and every Literal-typed key against its choices (any section, from any
+    module), then run every section's own validate() (the cross-field checks stay with the experiment
+    class)."""
+    check_finite(cfg)
     check_choices(cfg)
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
@@ -397,6 +428,7 @@ class ExperimentConfig:
 
     def validate(self) -> "ExperimentConfig":
         validate_sections(self)
+        check_seed(self.seed)
         fed, data = self.federation, self.data
         if data.task == "custom" and fed.partition in ("natural", "dirichlet"):
             raise ConfigError(f"federation.partition={fed.partition} needs a labelled named task (data.task: dolly, "
@@ -526,7 +558,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        return _finite(key, float(value))
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -571,7 +603,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {exc}") from exc
     if isinstance(value, str) and _looks_numeric(value):
-        value = float(value)  # YAML 1.1 reads 1e-3 as a string
+        value = float(value)  # YAML 1.1 reads 1e-3 (and nan, inf) as a string
+    elif isinstance(value, list):  # the same in a list: [1e-1, 5e-1]
+        value = [float(v) if isinstance(v, str) and _looks_numeric(v) else v for v in value]
     return key.split("."), value
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from typing import Literal
 
-from ciders.config.base import FlowerConfig, check_choices, opt, section, validate_sections
+from ciders.config.base import FlowerConfig, check_choices, check_seed, opt, section, validate_sections
 from ciders.errors import ConfigError
 
 # The methods a bilevel experiment can run, declared once; `ciders.algorithms.registry` holds what each one is
@@ -158,6 +158,7 @@ class BilevelExperiment:
 
     def validate(self) -> "BilevelExperiment":
         validate_sections(self)
+        check_seed(self.seed)
         if self.task.kind == "losstune" and self.rabo.mask_target != "y":
             raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
         return self

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ciders.fileio import atomic_path
+from ciders.fileio import atomic_path, makedirs, remove_leftovers
 
 _REC = re.compile(r"^r(\d{8})\.safetensors$")
 
 
 class RoundStore:
     def __init__(self, root: str | Path, committed: int = -1, cache_size: int = 16):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = makedirs(root)
         self.committed = committed
         self.horizon = committed + 1
         self.cache_size = cache_size
@@ -65,8 +64,7 @@ class RoundStore:
 
         if round_ <= self.committed:
             raise ValueError(f"round {round_} is already committed")
-        d = self._dir(key)
-        d.mkdir(exist_ok=True)
+        d = makedirs(self._dir(key))
         with atomic_path(d / f"r{round_:08d}.safetensors") as tmp:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
                       metadata={"meta": json.dumps(meta)})
@@ -87,13 +85,20 @@ class RoundStore:
                 (self._dir(key) / f"r{r:08d}.safetensors").unlink(missing_ok=True)
 
     def recover(self, committed: int) -> int:
-        """Delete records newer than `committed` (a crashed round); returns how many."""
+        """Delete records newer than `committed` (a crashed round); returns how many. Also drops what a
+        killed process can leave besides: records superseded by a newer committed one (a kill between the
+        round's commit and `commit` here; never read again, as reads take the newest) and the scratch files
+        of interrupted writes."""
         n = 0
+        remove_leftovers(self.root)
         for key in self.keys():
-            for r in self._rounds(key):
+            rounds = self._rounds(key)
+            for r in rounds:
                 if r > committed:
                     (self._dir(key) / f"r{r:08d}.safetensors").unlink()
                     n += 1
+            for r in [r for r in rounds if r <= committed][:-1]:
+                (self._dir(key) / f"r{r:08d}.safetensors").unlink()
         self.committed, self.horizon = committed, committed + 1
         self._cache.clear()
         return n

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from ciders import algorithms
-from ciders.config import ExperimentConfig, dump_yaml
+from ciders.config import ExperimentConfig, check_seed, dump_yaml
 from ciders.errors import CidersError
 from ciders.fileio import write_json, write_text
 from ciders.report import tables
@@ -40,7 +40,7 @@ def parse_seeds(text: str) -> list[int]:
         raise CidersError(f"--seeds: expected comma-separated integers, got {text!r}") from exc
     if not seeds or len(set(seeds)) != len(seeds):
         raise CidersError(f"--seeds: expected distinct integers, got {text!r}")
-    return seeds
+    return [check_seed(s, "--seeds") for s in seeds]  # each becomes a config's seed (dataclasses.replace)
 
 
 def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out: str | Path,

@@ -37,7 +37,7 @@ from ciders.federation.exchange import Exchange, Reply
 from ciders.federation.inprocess import Faults, InProcess
 from ciders.federation.loop import run_rounds
 from ciders.federation.rundir import RunDir, start_run
-from ciders.fileio import append_jsonl, atomic_path, write_json
+from ciders.fileio import append_jsonl, atomic_path, locked, write_json
 
 
 def in_process(exp, task, faults: Faults | None = None) -> InProcess:
@@ -155,8 +155,9 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
     """One run of `exp.method` (rounds = exp.federation.rounds); returns the summary. Every round ends with
     an atomic checkpoint (OUT/checkpoints: x, y, totals); `resume` continues from it (episodes and masks
     depend only on the seed, the round and the state, so a resumed run equals an uninterrupted one)."""
-    rounds = BilevelRounds(exp, task, out, resume=resume, log=log)
-    return run_rounds(rounds, exchange or in_process(exp, task, faults), exp.federation.rounds, faults)
+    with locked(out):  # the run directory is this process's until the run ends (`rundir.start_run`)
+        rounds = BilevelRounds(exp, task, out, resume=resume, log=log)
+        return run_rounds(rounds, exchange or in_process(exp, task, faults), exp.federation.rounds, faults)
 
 
 def _flat(s) -> dict:

@@ -40,6 +40,7 @@ from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig
 from ciders.federation.exchange import Exchange, Reply
 from ciders.federation.inprocess import Faults, InProcess, SimulatedCrash
+from ciders.fileio import locked
 from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clients, summarize
 
 
@@ -108,6 +109,11 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
     """Run (or resume) the federation of `cfg.algorithm.name` (CIDERS or a baseline; `ciders.algorithms`):
     the Coordinator's rounds (`federation.rounds`) over `exchange`, by default every client called in this
     process (`federation.inprocess`)."""
+    with locked(out):  # the run directory is this process's until the run ends (`rundir.start_run`)
+        return _run_federation(cfg, task, out, resume, faults, log, progress, exchange)
+
+
+def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> dict:
     from ciders.federation.rounds import Coordinator, client_report, client_round
 
     co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")

@@ -12,10 +12,11 @@ import torch
 
 from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
 from ciders.errors import CidersError
-from ciders.fileio import atomic_dir, read_jsonl, write_json, write_text
+from ciders.fileio import acquire_lock, atomic_dir, read_jsonl, remove_leftovers, write_json, write_text
 from ciders.runtime import derive_seed
 
 MIB = 2**20
+RUN_SUBDIRS = ("checkpoints", "clients", "server", "eval", "adapters", "teacher_cache")  # a run writes below root
 
 
 def sample_clients(ids: list[str], m: int | None, seed: int, t: int) -> list[str]:
@@ -59,6 +60,21 @@ class RunDir:
         for old in sorted(self.ckpt.glob("round_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def remove_leftovers(self, committed: int | None) -> int:
+        """What a killed process left behind: atomic-write scratch (*.tmp, *.partial) in the run directory
+        and the subdirectories a run writes, and checkpoint directories of rounds after `committed` (written,
+        never committed; all of them when nothing is committed). Client state on Flower (flower-clients/)
+        is its clients' own; other directories (an --out given with --force) are not searched. Returns how
+        many entries were removed."""
+        n = remove_leftovers(self.root, within=RUN_SUBDIRS)
+        last = -1 if committed is None else committed + 1  # round t lives in round_{t+1}
+        for d in self.ckpt.glob("round_*") if self.ckpt.is_dir() else ():
+            idx = d.name[len("round_"):]
+            if d.is_dir() and idx.isdigit() and int(idx) > last:
+                shutil.rmtree(d, ignore_errors=True)
+                n += 1
+        return n
+
     def load_checkpoint(self, t: int) -> tuple[dict, dict]:
         from safetensors.torch import load_file
 
@@ -78,12 +94,18 @@ class RunDir:
 def start_run(run: RunDir, cfg, resume: bool, log=print) -> int | None:
     """The one rule for run directories, for every method family: a directory that holds a committed run
     is continued only with `resume`, and only with the same config (else an error says what differs);
-    otherwise the run starts afresh (its config.yaml written, earlier metrics removed). Returns the last
-    committed round, or None for a fresh run."""
-    run.root.mkdir(parents=True, exist_ok=True)
+    otherwise the run starts afresh (its config.yaml written, earlier metrics removed). Only one process
+    at a time may hold a run directory (an advisory lock; a second one gets an error); what a killed
+    process left (scratch files, uncommitted checkpoints) is removed. Returns the last committed round, or
+    None for a fresh run."""
+    acquire_lock(run.root)  # one process per run directory (held until the run ends: `fileio.locked`)
     committed = run.refuse_unless(resume)
     if committed is not None:
         check_same_config(run, cfg)
+    n = run.remove_leftovers(committed)
+    if n:
+        log(f"{run.root}: removed {n} leftovers of an interrupted process (scratch files, uncommitted checkpoints)")
+    if committed is not None:
         run.truncate_metrics(committed)  # records of the round the checkpoint does not hold
         return committed
     for p in (run.metrics, run.timing):

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from ciders.fileio import atomic_dir
+from ciders.fileio import output_dir
 from ciders.models.adapters import State
 from ciders.models.decompose import Decomposition
 
@@ -43,14 +43,15 @@ def export_edge_model(
     tokenizer: Any = None,
     meta: dict | None = None,
 ) -> Path:
-    """Write AdapEmu with the given adapter states (default: those currently loaded) to `out_dir`."""
+    """Write AdapEmu with the given adapter states (default: those currently loaded) to `out_dir`. An
+    existing `out_dir` keeps every file this export does not write (`fileio.output_dir`)."""
     if messenger is not None:
         d.load_messenger(messenger)
     if student is not None:
         d.load_student(student)
     model = merged_copy(d.adapemu)
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with output_dir(out_dir, "export") as tmp:
         model.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

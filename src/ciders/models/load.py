@@ -11,13 +11,14 @@ import importlib.util
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from ciders.errors import CidersError
+from ciders.errors import CidersError, ConfigError
 from ciders.fileio import atomic_dir
 from ciders.runtime import resolve_device, resolve_dtype
 
@@ -150,7 +151,8 @@ def load_model(
     if name in TINY_CONFIGS:
         model = build_tiny(name, seed=seed).to(dtype=dt)
         if attn_implementation:
-            model.set_attn_implementation(attn_implementation)
+            with _attn_errors(attn_implementation):
+                model.set_attn_implementation(attn_implementation)
     else:
         path = ensure_smollm2() if name == SMOLLM2 else Path(name)
         if path.is_dir():
@@ -159,14 +161,18 @@ def load_model(
             if name == SMOLLM2:
                 check_cache(path)
             try:
-                model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+                with _attn_errors(attn_implementation):
+                    model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+            except CidersError:
+                raise
             except Exception as exc:  # corrupt safetensors, wrong architecture, ...
                 if name == SMOLLM2:
                     raise CidersError(_corrupt(path, str(exc).splitlines()[0])) from exc
                 raise CidersError(f"cannot load the model in {path}: {str(exc).splitlines()[0][:200]}") from exc
         else:
             try:
-                model = AutoModelForCausalLM.from_pretrained(name, **kw)
+                with _attn_errors(attn_implementation):
+                    model = AutoModelForCausalLM.from_pretrained(name, **kw)
             except (OSError, ValueError) as exc:
                 raise CidersError(_not_found(name, exc)) from exc
     decoder_layers(model)
@@ -175,6 +181,20 @@ def load_model(
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+@contextmanager
+def _attn_errors(attn: str | None) -> Iterator[None]:
+    """An attention backend transformers does not know (ValueError naming attn_implementation) or whose
+    kernels are not installed (ImportError) is a config mistake: one line naming the key."""
+    try:
+        yield
+    except (ValueError, ImportError) as exc:
+        if attn and (isinstance(exc, ImportError) or "attn_implementation" in str(exc)):
+            first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            raise ConfigError(f"model.attn_implementation: {attn!r} cannot be used here ({first}); use eager, "
+                              "sdpa or null (the model's default)") from exc
+        raise
 
 
 def byte_tokenizer() -> Any:

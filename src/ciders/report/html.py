@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ciders.errors import CidersError
-from ciders.fileio import write_text
+from ciders.fileio import check_output, output_dir, write_text
 from ciders.report import diagnostics as dg
 from ciders.report import figures, tables
 
@@ -423,8 +423,9 @@ def bilevel_page(root: Path, page: Page) -> str:
     return title
 
 
-def write_report(path: str | Path, out: str | Path | None = None) -> Path:
-    """Write <out or path>/report/index.html (+ fig_*.png) for a run, compare, sweep or bilevel directory."""
+def write_report(path: str | Path, out: str | Path | None = None, force: bool = False) -> Path:
+    """Write <out or path>/report/index.html (+ fig_*.png) for a run, compare, sweep or bilevel directory.
+    The report directory must be new, empty or an earlier report (`fileio.check_output`) unless `force`."""
     root = Path(path)
     if (root / "compare.json").is_file():
         build = compare_page
@@ -438,15 +439,14 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Path:
         raise CidersError(f"{root} is neither a run directory (metrics.jsonl) nor a comparison (compare.json), "
                           "sweep (sweep.json) or bilevel (table.json, bilevel.json) directory")
     folder = Path(out or root) / "report"
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("fig_*.png"):  # figures of an earlier report that this one may not redraw
-        old.unlink()
-    page = Page(folder)
-    title = build(root, page)
-    intro = f'<p class="note">Directory: {esc(root.resolve())}. Figures: {esc(folder)}.</p>'
-    index = folder / "index.html"
-    write_text(index, page.render(title, intro))
-    return index
+    check_output(folder, "report", force, ("index.html",))
+    # built aside, then moved in: an earlier report's figures that this one does not redraw go, nothing else
+    with output_dir(folder, "report") as tmp:
+        page = Page(tmp)
+        title = build(root, page)
+        intro = f'<p class="note">Directory: {esc(root.resolve())}. Figures: {esc(folder)}.</p>'
+        write_text(tmp / "index.html", page.render(title, intro))
+    return folder / "index.html"
 
 
 def _finite(v: object) -> bool:
