@@ -12,12 +12,15 @@ PY = he.python_executable()
 
 
 @pytest.fixture(scope="module")
-def sandbox():
-    return Sandbox(workers=2, limits=Limits(wall_s=4, cpu_s=4, memory_mb=512, nproc=32))
+def sandbox(tmp_path_factory):
+    # a scratch root of its own: other test processes' sandboxes (or a killed run's) do not count here
+    return Sandbox(workers=2, limits=Limits(wall_s=4, cpu_s=4, memory_mb=512, nproc=32),
+                   root=tmp_path_factory.mktemp("sbx-root"))
 
 
-def sandbox_threads() -> list[str]:
-    """Every thread on the machine owned by a sandbox uid (zombie-looking leaders' threads included)."""
+def sandbox_threads(uids=None) -> list[str]:
+    """Every thread on the machine owned by a sandbox uid (zombie-looking leaders' threads included), or
+    by one of `uids`."""
     out = []
     for task in glob.glob("/proc/[0-9]*/task/[0-9]*/status"):
         try:
@@ -25,14 +28,15 @@ def sandbox_threads() -> list[str]:
                 uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration):
             continue
-        if BASE_UID <= uid < BASE_UID + UID_BLOCK * UID_BLOCKS:
+        if (uid in uids) if uids is not None else BASE_UID <= uid < BASE_UID + UID_BLOCK * UID_BLOCKS:
             out.append(task)
     return out
 
 
-def _leftovers():
-    procs = len(sandbox_threads()) if os.geteuid() == 0 else 0
-    return procs, glob.glob(os.path.join(tempfile.gettempdir(), "ciders-sbx-*"))
+def _leftovers(sb):
+    """Threads still owned by `sb`'s uids, and its run directories left in its scratch root."""
+    procs = len(sandbox_threads(set(sb._uids or ()))) if os.geteuid() == 0 else 0
+    return procs, glob.glob(os.path.join(sb.root, "ciders-sbx-*"))
 
 
 @pytest.mark.parametrize("name, code, status", [
@@ -56,7 +60,7 @@ def test_contained(sandbox, name, code, status):
     if name == "network":
         assert "unreachable" in r.stderr or "Network" in r.stderr
     assert r.seconds < 10
-    procs, dirs = _leftovers()
+    procs, dirs = _leftovers(sandbox)
     assert procs == 0 and dirs == []
 
 
@@ -78,12 +82,14 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(language, n):
     shared("humaneval-x")
     toolchain(language)
     probs = he.load_problems(language)[:n]
+    scratch = os.path.join(tempfile.gettempdir(), "ciders-sbx-*")
+    before = set(glob.glob(scratch))  # e.g. a killed earlier run's
     good = he.score(language, [{"task_id": p["task_id"], "completion": p["canonical_solution"]} for p in probs], probs)
     assert good["pass@1"] == 1.0 and good["tasks"] == n
     wrong = {"python": "    return None\n", "java": "        return null;\n    }\n}\n", "go": "    panic(\"no\")\n}\n"}[language]
     bad = he.score(language, [{"task_id": p["task_id"], "completion": wrong} for p in probs], probs)
     assert bad["pass@1"] == 0.0 and bad["failed_tasks"] == [p["task_id"] for p in probs]
-    assert _leftovers() == (0, [])
+    assert sandbox_threads() == [] and set(glob.glob(scratch)) <= before
 
 
 def test_pass_at_k_estimator():
