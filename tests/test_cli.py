@@ -175,6 +175,17 @@ def test_out_of_memory_is_one_line(capsys, monkeypatch, tmp_path):
         m.setattr(ciders.experiments.theory, "run_theory", huge)
         assert main(["theory"]) == 2
     _one_line_error(capsys, "out of memory (tried to allocate 360000000000000000 bytes)")
+
+    def cuda(*a, **kw):
+        import torch
+
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                          "capacity of 139.80 GiB of which 1.2 GiB is free.")
+
+    with monkeypatch.context() as m:
+        m.setattr(ciders.experiments.theory, "run_theory", cuda)
+        assert main(["theory"]) == 2
+    _one_line_error(capsys, "out of memory (tried to allocate 20.00 GiB)")
     from helpers import shared
 
     shared("omniglot", "images_background_small1.zip")

@@ -292,13 +292,13 @@ def _at_least(low: int):
 
 
 def _seed(text: str) -> int:
-    from ciders.config import check_seed
-    from ciders.errors import ConfigError
+    """argparse type: a seed in the range the config's `seed` key accepts."""
+    from ciders.config import SEED_RANGE
 
-    try:
-        return check_seed(int(text), "")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).lstrip(": ")) from None
+    v = int(text)
+    if not 0 <= v < SEED_RANGE:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {v}")
+    return v
 
 
 def _experiment_args(p: argparse.ArgumentParser, config_help: str, out_help: str) -> None:
@@ -475,7 +475,7 @@ def _out_of_memory(exc: BaseException) -> CidersError | None:
         isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))
     if not oom:
         return None
-    tried = re.search(r"tried to allocate ([^.;]+)", text)
+    tried = re.search(r"tried to allocate ([^;]+?)(?:\. |[.;]?$)", text, re.IGNORECASE)
     return CidersError(f"out of memory{f' (tried to allocate {tried.group(1)})' if tried else ''}: the config's "
                        "sizes (model, batch sizes, widths, clients in memory) do not fit this machine; make them "
                        "smaller")
