@@ -158,16 +158,23 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     earlier one: only for directories ciders owns, such as checkpoints/round_N). An interrupted build
     leaves only the temporary directory, which is removed."""
     path = Path(path)
+    with _scratch_dir(path) as tmp, writing(path):
+        yield tmp
+        normal_tree(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+
+
+@contextmanager
+def _scratch_dir(path: Path) -> Iterator[Path]:
+    """A scratch directory beside `path` (`.NAME.xxxxxxxx.partial`, what resume cleans up), removed on the
+    way out unless it was renamed into place."""
     makedirs(path.parent)
     with writing(path):
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
-        with writing(path):
-            yield tmp
-            normal_tree(tmp)
-            if path.exists():
-                shutil.rmtree(path)
-            os.rename(tmp, path)
+        yield tmp
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -296,22 +303,15 @@ def output_dir(path: str | os.PathLike, command: str) -> Iterator[Path]:
     only the files that the earlier output of `command` listed in its marker and this one no longer
     writes. Files ciders did not write are never deleted; the marker, written last, lists the files."""
     path = Path(path)
-    makedirs(path.parent)
-    with writing(path):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
-    try:
-        with writing(path):
-            yield tmp
-            normal_tree(tmp)
-            new = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
-            if not path.exists():
-                (tmp / MARKER).write_text(json.dumps({"command": command, "files": new}) + "\n", encoding="utf-8")
-                os.rename(tmp, path)
-                return
-            _merge(tmp, path, command, new)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _scratch_dir(path) as tmp, writing(path):
+        yield tmp
+        normal_tree(tmp)
+        new = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
+        if not path.exists():
+            (tmp / MARKER).write_text(json.dumps({"command": command, "files": new}) + "\n", encoding="utf-8")
+            os.rename(tmp, path)
+            return
+        _merge(tmp, path, command, new)
 
 
 def _merge(tmp: Path, path: Path, command: str, new: list[str]) -> None:
