@@ -160,7 +160,8 @@ def _cmd_report(a: argparse.Namespace) -> int:
 def _cmd_theory(a: argparse.Namespace) -> int:
     from ciders.experiments.theory import run_theory
 
-    for row in run_theory(a.clients, a.dim, a.K, a.eta, a.gamma, a.alpha, a.eps_prox, a.rounds, a.loss, a.seed, a.tau):
+    for row in run_theory(a.clients, a.dim, a.K, a.eta, a.gamma, a.alpha, a.eps_prox, a.rounds, a.loss, a.seed, a.tau,
+                          a.consensus_space):
         if a.json:
             print(json.dumps(row), flush=True)
         else:
@@ -404,6 +405,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_at_least(0), default=30)
     p.add_argument("--loss", choices=("linear", "quadratic"), default="linear")
     p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--consensus-space", choices=("update", "gradient", "paper"), default="update",
+                   help="algorithm.consensus_space (all three agree under SGD without clipping, as here)")
     p.add_argument("--json", action="store_true", help="one JSON object per round")
     p.set_defaults(fn=_cmd_theory)
 

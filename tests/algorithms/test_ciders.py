@@ -71,10 +71,11 @@ def test_fd_with_zero_hvp_weight_is_fo():
     assert equal(outs[0].messenger, outs[1].messenger) and equal(outs[0].c, outs[1].c)
 
 
+@pytest.mark.parametrize("space", ["update", "gradient", "paper"])
 @pytest.mark.parametrize("loss, k, eps", [("linear", 1, 0.0), ("linear", 5, 0.0), ("linear", 5, 0.2),
                                           ("linear", 3, 1.0), ("quadratic", 1, 0.0)])
-def test_theory_psi_t(loss, k, eps):
-    rows = list(run_theory(5, 7, k, 0.1, 0.4, 0.15, eps, 40, loss, seed=2))
+def test_theory_psi_t(loss, k, eps, space):
+    rows = list(run_theory(5, 7, k, 0.1, 0.4, 0.15, eps, 40, loss, seed=2, consensus_space=space))
     assert rows[0]["dr"] == 0 and rows[0]["psi"] == 1
     for r in rows:
         assert abs(r["dr"] - r["dr_pred"]) < 1e-10 and abs(r["ppr"] - r["psi"]) < 1e-10

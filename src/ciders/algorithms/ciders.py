@@ -41,7 +41,7 @@ from ciders.core import optim
 from ciders.core.diagnostics import RoundStats
 from ciders.core.metagrad import fd_class, metagrad
 from ciders.core.schedules import gamma_at, lr_at
-from ciders.core.tensors import State, clone, digest, lincomb, norm, zeros_like
+from ciders.core.tensors import State, clone, digest, lincomb, norm, scale, zeros_like
 
 LossFn = Callable[[State, Any], torch.Tensor]
 
@@ -195,34 +195,21 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
     x = clone(start)
     opt_state = optim.adamw_init(x) if cfg.optimizer == "adamw" else None
     stats = RoundStats(c, c_i, gamma)
-    steps = []
+    steps, sums = [], _Sums()
     for k in range(k_steps):
-        g: State | None = None
-        infos = []
-        for a in range(accum):
-            batch = batches[k * accum + a]
-            gm, info = metagrad(lambda p: grad_of(loss_fn, p, batch), x, b.eta_ins[k], cfg.metagrad,
-                                cfg.eps_fd, cfg.fd_eta)
-            g = gm if g is None else lincomb([(1.0, g), (1.0, gm)])
-            infos.append(info)
-        if accum > 1:
-            g = {n: v / accum for n, v in g.items()}
-        stats.add(g)
-        g_traj = lincomb([(1.0, g), (1.0, corr), (cfg.eps_prox, x), (-cfg.eps_prox, w)])  # Eq. 4
-        g_traj, traj_norm = optim.clip_by_global_norm(g_traj, cfg.max_grad_norm)
-        lr = b.lrs[k]
-        if opt_state is None:
-            x = optim.sgd_step(x, g_traj, lr, cfg.weight_decay)
-        else:
-            x, opt_state = optim.adamw_step(x, g_traj, opt_state, lr, weight_decay=cfg.weight_decay)
-        rec = {"step": k, "loss": sum(i["loss"] for i in infos) / accum, "g_norm": norm(g),
-               "g_traj_norm": traj_norm, "lr": lr}
-        if cfg.metagrad == "fd":
-            rec["r_fd"] = max(i["r_fd"] for i in infos)
-        steps.append(rec)
+        g, rec = _meta_step(cfg, loss_fn, x, b.eta_ins[k], batches[k * accum:(k + 1) * accum])
+        x, u, d, opt_state, traj_norm = _local_step(cfg, x, w, g, corr, b.lrs[k], opt_state)
+        if cfg.consensus_space == "update":  # the optimizer's own direction: c lives in its units
+            u = lincomb([(1.0, u), (-1.0, corr)])
+        stats.add(u if cfg.consensus_space == "update" else g)  # what c is compared with (same units)
+        sums.add(g, u, d, b.lrs[k])
+        steps.append({"step": k, **rec, "g_norm": norm(g), "g_traj_norm": traj_norm, "lr": b.lrs[k]})
     # our decision (docs/method.md#eq-8-the-displacement-delta_i): eta_bar is the mean of the K per-step learning rates
     eta_bar = sum(b.lrs) / k_steps
-    delta = cs.displacement(w, x, k_steps, eta_bar)  # Eq. 8
+    if cfg.consensus_space == "gradient":  # the eta-weighted mean of the corrected gradients fed to OPTIM
+        delta = {n: v / sum(b.lrs) for n, v in sums.fed.items()}
+    else:
+        delta = cs.displacement(w, x, k_steps, eta_bar)  # Eq. 8
     c_i_new = cs.client_consensus(c_i, delta, c, cfg.alpha, gamma)  # Eq. 9
     dc = cs.increment(c_i_new, c_i)  # Eq. 10
     new_state = replace(st, pending=Pending(dc, st.version, b.round), personalized=x)
@@ -230,11 +217,78 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
                 personalized=x if cfg.upload_personalized_messenger else None)
     summary = {"client": st.client_id, "round": b.round, "gamma": gamma, "eta_bar": eta_bar,
                "loss": sum(s["loss"] for s in steps) / k_steps, "c_norm": norm(c), "c_i_norm": norm(c_i),
-               "dc_norm": norm(dc), "delta_norm": norm(delta), **stats.result()}
+               "dc_norm": norm(dc), "delta_norm": norm(delta), "corr_norm": norm(corr),
+               "g_mean_norm": norm(sums.mean("g", k_steps)), "step_mean_norm": norm(sums.mean("u", k_steps)),
+               **stats.result()}
     if cfg.metagrad == "fd":
         classes = [fd_class(s["r_fd"]) for s in steps]
         summary.update({f"r_fd_{k}": classes.count(k) for k in ("small", "moderate", "large")})
     return up, new_state, {**summary, "steps": steps}
+
+
+class _Sums:
+    """Running sums over a round's K steps: raw meta-gradients g, the optimizer's directions u (update units,
+    without a correction added after it) and,
+    for consensus_space gradient, eta_k d_k (the clipped corrected gradients fed to OPTIM, Delta_i's numerator)."""
+
+    def __init__(self):
+        self.g: State | None = None
+        self.u: State | None = None
+        self.fed: State | None = None
+
+    def add(self, g: State, u: State, fed: State, lr: float) -> None:
+        self.g = dict(g) if self.g is None else lincomb([(1.0, self.g), (1.0, g)])
+        self.u = dict(u) if self.u is None else lincomb([(1.0, self.u), (1.0, u)])
+        self.fed = scale(fed, lr) if self.fed is None else lincomb([(1.0, self.fed), (lr, fed)])
+
+    def mean(self, which: str, k: int) -> State:
+        return {n: v / k for n, v in getattr(self, which).items()}
+
+
+def _hvp_kw(cfg: CidersConfig, loss_fn: LossFn, batch: Any) -> dict:
+    return {}
+
+
+def _meta_step(cfg: CidersConfig, loss_fn: LossFn, x: State, eta_in: float, batches: Sequence[Any]
+               ) -> tuple[State, dict]:
+    """g_k: the meta-gradient (Eqs. 5-7) at x averaged over the step's micro-batches, and the step's
+    loss and (FD) r_FD = ||mean eta_HVP Hv|| / (||mean v|| + 1e-12), the ratio of the step's update, not of
+    one micro-batch."""
+    g = v_sum = corr_sum = None
+    losses = []
+    for batch in batches:
+        gm, info = metagrad(lambda p: grad_of(loss_fn, p, batch), x, eta_in, cfg.metagrad, cfg.eps_fd, cfg.fd_eta,
+                            **_hvp_kw(cfg, loss_fn, batch))
+        g = gm if g is None else lincomb([(1.0, g), (1.0, gm)])
+        losses.append(info["loss"])
+        if cfg.metagrad == "fd" and "v" in info:
+            v_sum = info["v"] if v_sum is None else lincomb([(1.0, v_sum), (1.0, info["v"])])
+            corr_sum = info["corr"] if corr_sum is None else lincomb([(1.0, corr_sum), (1.0, info["corr"])])
+    n = len(batches)
+    if n > 1:
+        g = {k: v / n for k, v in g.items()}
+    rec = {"loss": sum(losses) / n}
+    if cfg.metagrad == "fd":
+        rec["r_fd"] = info["r_fd"] if v_sum is None else norm(corr_sum) / (norm(v_sum) + 1e-12 * n)  # the 1/n of both means cancels
+    return g, rec
+
+
+def _local_step(cfg: CidersConfig, x: State, w: State, g: State, corr: State, lr: float, opt_state):
+    """x_{k+1} and the step's direction u = (x_k - x_{k+1}) / lr, in the configured consensus space:
+      paper / gradient: d = clip(g + gamma (c - c_i) + eps_prox (x - w)),  x' = OPTIM(x, d)       (Eq. 4)
+      update:           d = clip(g + eps_prox (x - w)),  x' = OPTIM(x, d) - lr gamma (c - c_i)
+    (docs/method.md#the-consensus-space). Returns (x', u, d, the optimizer's new state, ||d|| before clipping)."""
+    space = cfg.consensus_space
+    terms = [(1.0, g), (cfg.eps_prox, x), (-cfg.eps_prox, w)] + ([] if space == "update" else [(1.0, corr)])
+    d, traj_norm = optim.clip_by_global_norm(lincomb(terms), cfg.max_grad_norm)
+    if opt_state is None:
+        new = optim.sgd_step(x, d, lr, cfg.weight_decay)
+    else:
+        new, opt_state = optim.adamw_step(x, d, opt_state, lr, weight_decay=cfg.weight_decay)
+    if space == "update":
+        new = lincomb([(1.0, new), (-lr, corr)])
+    u = {n: (x[n] - new[n]) / lr for n in x}
+    return new, u, d, opt_state, traj_norm
 
 
 # ------------------------------------------------------------------------------------------ server

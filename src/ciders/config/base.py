@@ -195,6 +195,11 @@ class CidersConfig:
     metagrad: Literal["fo", "fd"] = opt("fo", "first-order (default) or finite-difference HVP meta-gradient")
     eps_fd: float = opt(1e-4, "central-difference step of Eq. 7 (paper 1e-4)")
     fd_eta: float | None = opt(None, "eta_HVP of the FD correction (paper 0.001; null = eta_in)")
+    consensus_space: Literal["update", "gradient", "paper"] = opt(
+        "update", "where gamma (c - c_i) enters and what Delta_i measures: update = added after the optimizer's "
+        "preconditioning, Delta_i from the displacement (Adam-step units; the default, docs/method.md"
+        "#the-consensus-space); gradient = added to the raw gradient, Delta_i = mean corrected gradient; "
+        "paper = Eq. 4 and Eq. 8 literally (equal to both under SGD without clipping)")
     gamma: float = opt(0.01, "consensus-correction coefficient in [0, 1] (paper 0.01 Qwen2.5-3B / 0.05 Qwen2-1.5B)")
     gamma_schedule: Literal["constant", "protocol_c"] = opt(
         "constant", "protocol_c: gamma_0 = gamma_1 = 0.9, gamma_t = max(0.01, 0.9 * 0.86^(t-1))")

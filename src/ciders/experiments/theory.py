@@ -4,7 +4,7 @@
 Clients have linear losses <a_i, x> (constant gradients: the theory holds for any K and eps_prox) or
 quadratics 0.5 (x - b_i)^T A (x - b_i) sharing one Hessian A (exact for K = 1). The run uses SGD at a
 constant learning rate, full participation, first-order meta-gradients with eta_in = 0 and uniform p_i,
-in float64. Each round reports the mean measured DR and PPR across clients from the actual c and c_i
+in float64; without clipping or weight decay every `consensus_space` gives the same updates there. Each round reports the mean measured DR and PPR across clients from the actual c and c_i
 at the start of that round, beside the prediction psi_t.
 """
 
@@ -39,10 +39,11 @@ def synthetic_clients(n: int, dim: int, loss: str, seed: int):
 
 
 def run_theory(clients: int, dim: int, k: int, eta: float, gamma: float, alpha: float, eps_prox: float,
-               rounds: int, loss: str = "linear", seed: int = 0, tau: float = 0.02) -> Iterator[dict]:
+               rounds: int, loss: str = "linear", seed: int = 0, tau: float = 0.02,
+               consensus_space: str = "update") -> Iterator[dict]:
     cfg = CidersConfig(local_steps=k, optimizer="sgd", lr=eta, weight_decay=0.0, max_grad_norm=0.0,
                        schedule="constant", eta_in=0.0, metagrad="fo", gamma=gamma, alpha=alpha, tau=tau,
-                       eps_prox=eps_prox, weighting="uniform")
+                       eps_prox=eps_prox, weighting="uniform", consensus_space=consensus_space)
     cfg.validate()
     fns, grads = synthetic_clients(clients, dim, loss, seed)
     w0: State = {"x": torch.zeros(dim, dtype=torch.float64)}

@@ -23,6 +23,7 @@ _STEP = {"step": "count", "loss": "number", "g_norm": "number", "g_traj_norm": "
          "r_fd": "number"}
 CIDERS = {"client": "str", "round": "count", "resync_request": "bool", "gamma": "number", "eta_bar": "number",
           "loss": "number", "c_norm": "number", "c_i_norm": "number", "dc_norm": "number", "delta_norm": "number",
+          "corr_norm": "number", "g_mean_norm": "number", "step_mean_norm": "number",
           "e_rae": "number", "s_dr": "number", "s_ppr": "number", "r_fd_small": "count", "r_fd_moderate": "count",
           "r_fd_large": "count", "steps": _STEP}
 BILEVEL = {"calls": "count", "seconds": "number", "inner_loss": "number", "outer_loss": "number",
