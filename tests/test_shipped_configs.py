@@ -40,3 +40,11 @@ def test_paper_configs_match_table_ii(name, fixture, student, mib):
     a = cfg.algorithm
     assert (a.lr, a.tau, a.alpha, a.eps_prox, a.optimizer, cfg.federation.rounds, cfg.takd.round_steps,
             cfg.takd.lambda_out) == (1e-4, 0.02, 0.002, 0.01, "adamw", 150, 5, 0.5)
+
+
+@pytest.mark.parametrize("name,fd_eta", [("protocol_a_gsm8k", 1e-3), ("protocol_a_dolly", 1e-3),
+                                         ("protocol_a_code", 1e-3), ("ablation_output_kl", 1e-3),
+                                         ("protocol_b", 5e-4)])
+def test_paper_configs_set_the_papers_hvp_weight_and_eq4(name, fd_eta):
+    a = load_config(ROOT / "configs" / "paper" / f"{name}.yaml").algorithm
+    assert (a.fd_eta, a.eps_fd, a.consensus_space) == (fd_eta, 1e-4, "paper")
