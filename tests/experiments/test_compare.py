@@ -109,3 +109,22 @@ def test_sweep_grid(tmp_path):
     assert mib[0] > mib[1]  # a higher drop ratio stores fewer student LoRA layers
     assert (out / "decomposition.drop_ratio=0.5" / "fedot" / "seed0" / "summary.json").is_file()
     assert "| 0.5 |" in (out / "sweep.md").read_text()
+
+
+def test_methods_of_a_seed_share_one_pre_alignment_equal_to_a_fresh_one(cmp_dir, tmp_path, capsys):
+    from ciders import algorithms
+    from ciders.core.tensors import equal
+    from ciders.workloads import prealign as pa
+    from ciders.workloads.llm import LLMTask
+
+    files = sorted((cmp_dir / "prealign").glob("*.safetensors"))
+    assert len(files) == 2  # one per seed: ciders-fo, fedavg and localot agree on every pre-alignment input
+    cfg = algorithms.configure(load_config(cmp_dir / "fedavg" / "seed1" / "config.yaml"))
+    task = LLMTask(cfg, tmp_path / "fresh", log=lambda *_: None)
+    t, m, pre = task._prealign()  # computed again, without the cache
+    hit = pa.load_cached(cmp_dir / "prealign", pa.key(cfg, task.public))
+    assert hit is not None and equal(hit[0], t) and hit[1] == m and hit[2] == pre
+    fedbiot = algorithms.configure(cfg, "fedbiot")  # no task CE in its TAKD: a different pre-alignment
+    assert pa.key(fedbiot, task.public) != pa.key(cfg, task.public)
+    files[0].write_bytes(b"not a safetensors file")  # a damaged cache entry is recomputed, not trusted
+    assert pa.load_cached(cmp_dir / "prealign", files[0].stem) is None

@@ -3,7 +3,8 @@ evaluations, one comparison table (docs/method.md#experiments-and-metrics; the p
 
 Runs go to OUT/<method>/seed<s>, each a normal run directory (`ciders report`, `ciders eval` and
 `--resume` work on it). For one seed, every method sees the same data split and partition: both are
-derived from (seed, data config) only, and data.json is checked to be identical across methods. A
+derived from (seed, data config) only, and data.json is checked to be identical across methods. Methods
+whose pre-alignment inputs agree share one TAKD pre-alignment (OUT/prealign, `workloads.prealign.key`). A
 finished run is reused, an interrupted one resumed, so re-running the command completes a comparison.
 """
 
@@ -52,8 +53,8 @@ def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out
     if make_task is None:
         from ciders.workloads.llm import LLMTask
 
-        def make_task(c, o):
-            return LLMTask(c, o, log=log)
+        def make_task(c, o):  # one TAKD pre-alignment per seed for the methods whose inputs to it agree
+            return LLMTask(c, o, log=log, prealign_cache=out / "prealign")
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,11 +27,13 @@ class LLMTask:
     """`role="client"` builds only what a client needs (model, its data, the messenger loss): no teacher
     cache, no TAKD (a Flower ClientApp)."""
 
-    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print, role: str = "server"):
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print, role: str = "server",
+                 prealign_cache: str | Path | None = None):
         from ciders.algorithms import configure
 
         cfg = configure(cfg)  # a baseline's TAKD settings (FedBiOT, FedOT) live in its config
         self.cfg, self.log = cfg, log
+        self.prealign_cache = None if prealign_cache is None else Path(prealign_cache)
         self.d, self.tok = build(cfg)
         self.pad = self.tok.pad_token_id
         s = self.d.split
@@ -66,6 +68,23 @@ class LLMTask:
         return self.d.messenger_state()
 
     def initial_extra(self):
+        """TAKD pre-alignment (Algorithm 1 step 8). With a `prealign_cache` directory, a result computed
+        earlier for the same inputs (`prealign.key`: model, decomposition, LoRA, TAKD, data, seed) is
+        reused bit for bit (loaded onto the model's device by `extra_from_record`): `ciders compare` shares one pre-alignment across the methods of a seed."""
+        if self.prealign_cache is not None:
+            from ciders.workloads import prealign as pa
+
+            key = pa.key(self.cfg, self.public)
+            hit = pa.load_cached(self.prealign_cache, key)
+            if hit is not None:
+                self.log(f"TAKD pre-alignment: reusing {self.prealign_cache / key}.safetensors")
+                return hit
+            res = self._prealign()
+            pa.store_cached(self.prealign_cache, key, *res)
+            return res
+        return self._prealign()
+
+    def _prealign(self):
         tc = self.cfg.takd
         bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
 

@@ -160,3 +160,58 @@ def render_summary(s: dict) -> str:
     lines.append(f"TAKD: {t['steps']} steps in {t['seconds']:.1f} s (loss {t['first_loss']:.3f} -> {t['last_loss']:.3f}, "
                  f"teacher cache: {t['teacher_cache']})" if t["steps"] else "TAKD: 0 steps")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ shared cache
+# `ciders compare` runs several methods per seed; those whose pre-alignment inputs are identical (CIDERS,
+# FedOT, FedAvg, SCAFFOLD: not FedBiOT, whose TAKD has no task CE) share one result instead of recomputing it.
+
+
+def key(cfg: ExperimentConfig, public: list[dict]) -> str:
+    """What the pre-alignment depends on, hashed: the model, decomposition, LoRA and TAKD settings (all but
+    the per-round and storage ones), the seed, the code version and the public examples' tokens."""
+    import hashlib
+    import json
+
+    import ciders
+    from ciders.config import to_dict
+
+    takd = {k: v for k, v in to_dict(cfg.takd).items() if k not in ("round_steps", "teacher_cache", "cache_memory_mib")}
+    h = hashlib.sha256(json.dumps({"model": to_dict(cfg.model), "decomposition": to_dict(cfg.decomposition),
+                                   "lora": to_dict(cfg.lora), "takd": takd, "seed": cfg.seed,
+                                   "version": ciders.__version__}, sort_keys=True).encode())
+    for f in public:
+        h.update(json.dumps([list(map(int, f["input_ids"])), list(map(int, f["labels"]))]).encode())
+    return h.hexdigest()[:32]
+
+
+def load_cached(directory: Path, k: str) -> tuple[dict, dict, dict] | None:
+    """(tensors, meta, metrics) stored under key `k`, or None (absent, or unreadable: then recomputed)."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(directory) / f"{k}.safetensors"
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            md = f.metadata() or {}
+            if md.get("key") != k:
+                return None
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+        return tensors, json.loads(md["meta"]), json.loads(md["pre"])
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type; any damage means "recompute"
+        return None
+
+
+def store_cached(directory: Path, k: str, tensors: dict, meta: dict, pre: dict) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from ciders.fileio import atomic_path
+
+    with atomic_path(Path(directory) / f"{k}.safetensors") as tmp:
+        save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(tmp),
+                  metadata={"key": k, "meta": json.dumps(meta), "pre": json.dumps(pre)})
