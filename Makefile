@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench cpu-protocols clean
+.PHONY: install demo test test-fast bench cpu-protocols cpu-protocol-h clean
 
 # torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt pyproject.toml
@@ -43,6 +43,13 @@ cpu-protocols: $(STAMP)
 		--seeds 0,1,2 --out runs/cpu-protocol-b
 	$(BIN)/ciders report runs/cpu-protocol-a
 	$(BIN)/ciders report runs/cpu-protocol-b
+
+# the heterogeneous protocol of docs/results-cpu.md (about 2 hours on 2 cores; finished runs are reused)
+cpu-protocol-h: $(STAMP)
+	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --algorithms ciders-fo,ciders-fd,fedbiot,fedot,scaffold,fedavg \
+		--seeds 0,1,2 --out runs/cpu-protocol-h
+	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.consensus_space=paper \
+		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --out runs/cpu-protocol-h-paper
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
