@@ -5,8 +5,9 @@ import torch
 
 from ciders.algorithms import ciders as alg
 from ciders.config import CidersConfig
-from ciders.core.tensors import equal, lincomb, max_abs_diff
+from ciders.core.tensors import digest, equal, lincomb, max_abs_diff
 from ciders.experiments.theory import run_theory
+from reference_ciders import space_kw
 from synthetic import SIZES, cfg, quad_clients, setup
 
 
@@ -20,6 +21,26 @@ def run_round(c, server, copies, states, fns, ids, batches=None):
     return ups, metrics
 
 
+
+
+def test_clipping_bounds_the_whole_corrected_step():
+    """Eq. 4 clips g_traj = g + gamma (c - c_i) + eps_prox (x - w) as one vector (paper consensus space); here the
+    correction alone is about 20 times max_grad_norm, so clipping g alone would let the step grow with it."""
+    c = cfg(local_steps=2, eta_in=0.0, max_grad_norm=0.1, **space_kw("paper"))
+    fn = quad_clients()[0]
+    w = {"x": torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)}
+    cc, c_i = {"x": torch.full((6,), 2.0, dtype=torch.float64)}, {"x": -torch.ones(6, dtype=torch.float64)}
+    b = alg.Broadcast(0, w, cc, c.gamma, (c.lr,) * 2, (0.0,) * 2, c_i_digest=digest(c_i))
+    _, st, m = alg.client_update(c, b, alg.ClientState("c0", c_i), fn, [None, None])
+    x, norms = w["x"], []
+    for _ in range(2):  # the same two SGD steps by hand
+        p = x.clone().requires_grad_(True)
+        traj = torch.autograd.grad(fn({"x": p}, None), p)[0] + c.gamma * (cc["x"] - c_i["x"]) + c.eps_prox * (x - w["x"])
+        norms.append(float(traj.norm()))
+        x = x - c.lr * c.max_grad_norm / (traj.norm() + 1e-6) * traj
+    assert min(norms) > 10 * c.max_grad_norm
+    assert [s["g_traj_norm"] for s in m["steps"]] == pytest.approx(norms, rel=1e-12)
+    assert float((st.personalized["x"] - x).abs().max()) < 1e-12
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
