@@ -114,8 +114,6 @@ def client_round(cfg, mode: str, w: dict, c: dict, c_i: dict, gamma: float, lrs,
     for k in range(K):
         gs = [metagrad(params, eta_ins[k], batches[k * A + a]) for a in range(A)]
         g = [sum(parts) / A for parts in zip(*gs)]
-        num += _sq([gj + cj - c[n] for gj, cj, n in zip(g, corr, names)])
-        den += _sq(g) + _sq([c[n] for n in names]) + 1e-12
         in_clip = corr if mode in ("paper", "gradient") else [torch.zeros_like(cj) for cj in corr]
         for p, gj, cj, n in zip(params, g, in_clip, names):
             p.grad = gj + cj + cfg.eps_prox * (p.detach() - w[n])
@@ -124,7 +122,13 @@ def client_round(cfg, mode: str, w: dict, c: dict, c_i: dict, gamma: float, lrs,
         for group in opt.param_groups:
             group["lr"] = lrs[k]
         fed = [f + lrs[k] * p.grad for f, p in zip(fed, params)]
+        before = [p.detach().clone() for p in params]
         opt.step()
+        # E-RAE compares c with the direction in c's units: the raw g, or in `update` the optimizer's own
+        # direction (x_k - OPT(x_k, d_k)) / eta_k, the correction added after it not included
+        dirs = g if mode != "update" else [(b - p.detach()) / lrs[k] for b, p in zip(before, params)]
+        num += _sq([gj + cj - c[n] for gj, cj, n in zip(dirs, corr, names)])
+        den += _sq(dirs) + _sq([c[n] for n in names]) + 1e-12
         if mode == "update":
             with torch.no_grad():
                 for p, cj in zip(params, corr):
