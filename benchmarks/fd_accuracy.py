@@ -37,8 +37,6 @@ from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.tasks.text import collate
 from common import parser, setup
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def prepare(a: argparse.Namespace, model: str, dtype: str):
     """(decomposition, messenger state x, one batch with B_L(x) cached)."""
