@@ -193,7 +193,12 @@ class CidersConfig:
     min_lr_ratio: float = opt(0.0, "warmup_cosine floor as a fraction of lr")
     eta_in: float | None = opt(None, "inner look-ahead step of Eq. 6 at the base lr (null = lr); 0 turns it off")
     metagrad: Literal["fo", "fd"] = opt("fo", "first-order (default) or finite-difference HVP meta-gradient")
-    eps_fd: float = opt(1e-4, "central-difference step of Eq. 7 (paper 1e-4)")
+    eps_fd: float = opt(1e-4, "length of the central-difference probe of Eq. 7, ||x_k +- h v - x_k|| (paper 1e-4)")
+    hvp: Literal["fd", "exact"] = opt(
+        "exact", "Hv of the FD meta-gradient (Eq. 7): exact = double backward in the base dtype (default: on "
+        "benchmarks/fd_accuracy.py as accurate as fd, 5e-7 fp32 / 2e-3 bf16 relative error, at no more cost "
+        "and without an fp32 weight copy); fd = central difference along v (on a bf16/fp16 base the step's "
+        "messenger evaluations then run in fp32); use fd with an attention kernel that has no second derivative")
     fd_eta: float | None = opt(None, "eta_HVP of the FD correction (paper 0.001; null = eta_in)")
     consensus_space: Literal["update", "gradient", "paper"] = opt(
         "update", "where gamma (c - c_i) enters and what Delta_i measures: update = added after the optimizer's "

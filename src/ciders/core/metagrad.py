@@ -3,27 +3,34 @@
 `grad_fn(x) -> (loss, grad)` evaluates the client loss on one fixed mini-batch. All evaluations of one
 step must see the same randomness (dropout), which the caller's grad_fn guarantees.
 
-  look-ahead  x~ = x - eta_in * grad L(x)                                     (Eq. 6)
+  look-ahead  x~ = x - eta_in grad L(x)                                       (Eq. 6)
   FO          g  = grad L(x~)                                                 (Eq. 5, first order)
-  FD          v  = g_FO;  Hv ~ (grad L(x + eps v) - grad L(x - eps v)) / (2 eps)   (Eq. 7)
-              g  = v - eta_hvp * Hv;  r_FD = ||eta_hvp Hv|| / (||v|| + 1e-12)
-Cost in gradient evaluations: FO 2 (1 when eta_in = 0: x~ = x), FD 4.
+  FD          v  = g_FO;  h = eps_fd / ||v||   (the probe x +- h v has length eps_fd)
+              Hv ~ (grad L(x + h v) - grad L(x - h v)) / (2 h)                (Eq. 7, at x = x_k, not at x~)
+              or Hv = hvp_fn(x, v) (e.g. `exact_hvp`: double backward)
+              g  = v - eta_hvp Hv;  r_FD = ||eta_hvp Hv|| / (||v|| + 1e-12)
+Cost in gradient evaluations: FO 2 (1 when eta_in = 0: x~ = x), FD 4 (FO + 1 double backward with hvp_fn).
+Why the probe is relative: docs/method.md#eq-7-finite-difference-meta-gradient-fd.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ciders.core.tensors import State, lincomb, norm, scale
+from ciders.core.tensors import State, lincomb, norm, scale, zeros_like
+from ciders.errors import CidersError
 
 GradFn = Callable[[State], tuple[torch.Tensor, State]]
+HvpFn = Callable[[State, State], State]
 
 
 def metagrad(grad_fn: GradFn, x: State, eta_in: float, kind: str = "fo", eps_fd: float = 1e-4,
-             eta_hvp: float | None = None) -> tuple[State, dict]:
-    """Return (g, info) with info = {loss: L(x), r_fd (FD only), evals}."""
+             eta_hvp: float | None = None, hvp_fn: HvpFn | None = None) -> tuple[State, dict]:
+    """Return (g, info) with info = {loss: L(x), evals} and, for FD, r_fd, v (= g_FO) and corr
+    (= eta_hvp Hv): a caller averaging micro-batches forms the step's r_FD from the means of v and corr."""
     loss, g0 = grad_fn(x)
     evals = 1
     if eta_in != 0:
@@ -31,20 +38,59 @@ def metagrad(grad_fn: GradFn, x: State, eta_in: float, kind: str = "fo", eps_fd:
         evals += 1
     else:
         g = g0
-    info = {"loss": float(loss)}
+    info: dict[str, Any] = {"loss": float(loss)}
     if kind == "fo":
         info["evals"] = evals
         return g, info
     if kind != "fd":
         raise ValueError(f"unknown meta-gradient {kind!r} (fo or fd)")
     eta_hvp = eta_in if eta_hvp is None else eta_hvp
-    _, gp = grad_fn(lincomb([(1.0, x), (eps_fd, g)]))
-    _, gm = grad_fn(lincomb([(1.0, x), (-eps_fd, g)]))
-    hv = lincomb([(0.5 / eps_fd, gp), (-0.5 / eps_fd, gm)])
+    if hvp_fn is not None:
+        hv = hvp_fn(x, g)
+        info["hvp"], info["evals"] = "exact", evals + 1
+    else:
+        hv = fd_hvp(grad_fn, x, g, eps_fd)
+        info["hvp"], info["evals"] = "fd", evals + 2
     corr = scale(hv, eta_hvp)
-    info["r_fd"] = norm(corr) / (norm(g) + 1e-12)
-    info["evals"] = evals + 2
+    info.update(r_fd=norm(corr) / (norm(g) + 1e-12), v=g, corr=corr)
     return lincomb([(1.0, g), (-1.0, corr)]), info
+
+
+def fd_hvp(grad_fn: GradFn, x: State, v: State, eps_fd: float) -> State:
+    """Central difference of the gradient along v at x, with a probe of length eps_fd: h = eps_fd / ||v||.
+
+    An absolute step (h = eps_fd) would make the probe as long as eps_fd ||v||, so its accuracy would
+    depend on the scale of the meta-gradient (rounding dominates when v is small, curvature change when
+    it is large). v = 0 gives Hv = 0 without evaluating anything."""
+    nv = norm(v)
+    if nv == 0.0:
+        return zeros_like(v)
+    h = eps_fd / nv
+    _, gp = grad_fn(lincomb([(1.0, x), (h, v)]))
+    _, gm = grad_fn(lincomb([(1.0, x), (-h, v)]))
+    return lincomb([(0.5 / h, gp), (-0.5 / h, gm)])
+
+
+def exact_hvp(loss_fn: Callable[[State, Any], torch.Tensor], x: State, v: State, batch: Any) -> State:
+    """H(x) v by double backward: grad_x <grad_x L(x; batch), v>, v held constant (detached).
+
+    Fused attention kernels (PyTorch's flash / memory-efficient SDPA, on CPU and CUDA) have no second
+    derivative, so the forward runs with SDPA on its math kernel (differentiable twice; it holds the full
+    attention matrix). Another backend without one (e.g. flash_attention_2) is a one-line CidersError."""
+    p = {k: t.detach().requires_grad_(True) for k, t in x.items()}
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            loss = loss_fn(p, batch)
+        grads = torch.autograd.grad(loss, list(p.values()), create_graph=True)
+        inner = sum((gk * v[k].detach()).sum() for gk, k in zip(grads, p))
+        out = torch.autograd.grad(inner, list(p.values()), allow_unused=True)
+    except (RuntimeError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        if "not implemented" in first or "differentiate twice" in first:  # no second derivative
+            raise CidersError(f"algorithm.hvp: exact needs a second derivative the model's kernels lack ({first}); "
+                              "set model.attn_implementation: eager, or algorithm.hvp: fd") from exc
+        raise
+    return {k: (torch.zeros_like(p[k]) if o is None else o.detach()) for k, o in zip(p, out)}
 
 
 def fd_class(r: float) -> str:

@@ -4,6 +4,13 @@ L_i(x; xi) = causal-LM CE on response tokens of M_i = P_M(x) o B_L. B_L is froze
 batch carries B_L(x) computed once (`Decomposition.backbone_hidden`); every gradient evaluation of a
 step (look-ahead, meta-gradient, FD probes) then runs only the messenger and the head, functionally
 (`torch.func.functional_call`), with the same dropout mask (reseeded from the batch's seed).
+
+`compute_dtype` (e.g. float32 on a bfloat16 base) runs those evaluations on a copy of the messenger's
+base weights, final norm and head in that dtype, with the hidden inputs cast to it: a finite-difference
+Hessian-vector product divides a gradient difference by a probe of length ~1e-4, which a bfloat16
+gradient (8 significant bits) cannot resolve (docs/method.md#eq-7-finite-difference-meta-gradient-fd).
+The copy is made on first use and again whenever a source weight changes (a new emulator load); it costs
+the messenger layers, the norm and the head in the compute dtype (the tied head is the embedding matrix).
 """
 
 from __future__ import annotations
@@ -17,18 +24,50 @@ from ciders.models.decompose import MESSENGER, Decomposition
 
 
 class MessengerLoss:
-    def __init__(self, d: Decomposition):
+    def __init__(self, d: Decomposition, compute_dtype: torch.dtype | None = None):
         self.d = d
         self.names = d.param_names(MESSENGER, d.messenger_top)
+        self.compute_dtype = compute_dtype
+        self._cast: tuple[tuple, State] | None = None  # (key of the source weights, their copies)
+
+    def base_weights(self) -> State:
+        """The messenger_top weights the loss needs besides the LoRA state, in `compute_dtype` ({} when
+        the model's own weights are used as they are)."""
+        dt = self.compute_dtype
+        model = self.d.messenger_top
+        if dt is None:
+            return {}
+        lora = set(self.names.values())
+        used = {id(p) for m in (model.model.layers, model.model.norm, model.lm_head) for p in m.parameters()}
+        src = {n: p for n, p in model.named_parameters() if n not in lora and id(p) in used and p.dtype != dt}
+        # data pointer + in-place version counter: load_emulator_base copies into these tensors in place
+        key = tuple((n, p.data_ptr(), p._version) for n, p in src.items())
+        if self._cast is None or self._cast[0] != key:
+            with torch.no_grad():
+                self._cast = (key, {n: p.detach().to(dt) for n, p in src.items()})
+        return self._cast[1]
 
     def logits(self, params: State, batch: dict) -> torch.Tensor:
         model = self.d.messenger_top
-        args = {"inputs_embeds": batch["hidden"], "attention_mask": batch["attention_mask"]}
-        devices = [batch["hidden"].device] if batch["hidden"].device.type == "cuda" else []
+        hidden = batch["hidden"]
+        if self.compute_dtype is not None:
+            hidden = hidden.to(self.compute_dtype)
+        args = {"inputs_embeds": hidden, "attention_mask": batch["attention_mask"]}
+        weights = dict(self.base_weights())
+        weights.update({self.names[k]: v for k, v in params.items()})
+        devices = [hidden.device] if hidden.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(int(batch["seed"]))
-            return functional_call(model, {self.names[k]: v for k, v in params.items()}, args=(), kwargs=args).logits
+            return functional_call(model, weights, args=(), kwargs=args).logits
 
     def __call__(self, params: State, batch: dict) -> torch.Tensor:
         nll, n = token_nll(self.logits(params, batch), batch["labels"])
         return nll / max(n, 1)
+
+
+def step_compute_dtype(metagrad: str, hvp: str, base: torch.dtype) -> torch.dtype | None:
+    """The dtype of a client step's messenger evaluations: float32 when a finite-difference HVP would
+    otherwise difference bfloat16 / float16 gradients (Eq. 7), else None (the model's own dtype).
+    The exact HVP (double backward) has no such cancellation and keeps the base dtype."""
+    low = base in (torch.bfloat16, torch.float16)
+    return torch.float32 if low and metagrad == "fd" and hvp == "fd" else None

@@ -14,7 +14,7 @@ from ciders.config import ExperimentConfig
 from ciders.eval.metrics import perplexity
 from ciders.fileio import write_json
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
-from ciders.models.messenger_loss import MessengerLoss
+from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.workloads import evaluation
 from ciders.workloads.prealign import build
 from ciders.runtime import derive_seed
@@ -51,7 +51,12 @@ class LLMTask:
                                             memory_limit_mib=tc.cache_memory_mib,
                                             progress=lambda i, n: bar.update(i - bar.n))
             bar.close()
-        self.loss = MessengerLoss(self.d)
+        a = cfg.algorithm
+        step_dtype = step_compute_dtype(a.metagrad, a.hvp, self.d.base.dtype)
+        if step_dtype is not None:
+            log(f"client steps: messenger evaluations in {step_dtype} (FD Hessian-vector product on a "
+                f"{self.d.base.dtype} base; docs/method.md#eq-7-finite-difference-meta-gradient-fd)")
+        self.loss = MessengerLoss(self.d, compute_dtype=step_dtype)
         self._hidden: dict[tuple[str, int], torch.Tensor] = {}
 
     def _load_data(self, out: Path) -> None:
