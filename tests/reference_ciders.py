@@ -175,3 +175,16 @@ def space_kw(mode: str) -> dict:
     if mode != "paper":
         pytest.skip(f"algorithm.consensus_space does not exist yet: no {mode!r} mode to test")
     return {}
+
+
+def fd_metagrad_exact(eta_hvp: float):
+    """The FD meta-gradient with the exact product: v - eta_hvp H(x_k) v, v = the FO meta-gradient and H at the
+    current iterate x_k (not at the look-ahead point), by torch.autograd.functional.hvp."""
+
+    def g(params: list[torch.Tensor], eta_in: float, batch) -> list[torch.Tensor]:
+        v = fo_metagrad(params, eta_in, batch)
+        x = tuple(p.detach().clone() for p in params)
+        _, hv = torch.autograd.functional.hvp(lambda *q: loss(*q, batch), x, tuple(v))
+        return [vi - eta_hvp * hi for vi, hi in zip(v, hv)]
+
+    return g

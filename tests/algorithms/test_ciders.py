@@ -224,3 +224,27 @@ def test_config_validation_names_the_key():
                       ({"optimizer": "lion"}, "algorithm.optimizer")]:
         with pytest.raises(ConfigError, match=match):
             CidersConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("hvp", ["fd", "exact"])
+def test_r_fd_under_accumulation_is_the_ratio_of_the_step_not_the_largest_micro_batch(hvp):
+    from ciders.core.metagrad import exact_hvp, metagrad
+    from ciders.core.tensors import norm
+
+    c = cfg(local_steps=1, grad_accum=2, metagrad="fd", hvp=hvp, fd_eta=0.3)
+    fn = quad_clients()[0]
+    server, copies, states, ids = setup()
+    batches = [3.0, -2.5]  # the micro-batches shift the gradient in opposite directions
+    b = alg.make_broadcast(c, server, copies[ids[0]])
+    _, _, m = alg.client_update(c, b, states[ids[0]], fn, batches)
+    vs, corrs, ratios = [], [], []
+    for batch in batches:
+        kw = {"hvp_fn": lambda x, v, batch=batch: exact_hvp(fn, x, v, batch)} if hvp == "exact" else {}
+        _, info = metagrad(lambda p, batch=batch: alg.grad_of(fn, p, batch), server.messenger, b.eta_ins[0], "fd",
+                           c.eps_fd, c.fd_eta, **kw)
+        vs.append(info["v"])
+        corrs.append(info["corr"])
+        ratios.append(info["r_fd"])
+    step = norm(lincomb([(0.5, corrs[0]), (0.5, corrs[1])])) / norm(lincomb([(0.5, vs[0]), (0.5, vs[1])]))
+    assert m["steps"][0]["r_fd"] == pytest.approx(step, rel=1e-9)
+    assert abs(step - max(ratios)) > 1e-3 * step  # the test can tell the two rules apart

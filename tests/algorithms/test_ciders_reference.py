@@ -106,8 +106,14 @@ def test_rounds_match_the_hand_written_reference(mode, opt):
 
 
 def test_fd_rounds_match_the_reference_with_the_library_probe():
-    c = ref_cfg("paper", "adamw", metagrad="fd", fd_eta=0.05, eps_fd=1e-3)
+    c = ref_cfg("paper", "adamw", metagrad="fd", hvp="fd", fd_eta=0.05, eps_fd=1e-3)
     run_against_reference(c, "paper", lib_fd(c))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fd_rounds_with_the_exact_hvp_match_the_reference(mode):
+    c = ref_cfg(mode, "adamw", metagrad="fd", hvp="exact", fd_eta=0.05)
+    run_against_reference(c, mode, ref.fd_metagrad_exact(0.05))
 
 
 def test_modes_agree_for_plain_sgd():

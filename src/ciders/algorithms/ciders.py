@@ -39,7 +39,7 @@ from ciders.core import aggregate as agg
 from ciders.core import consensus as cs
 from ciders.core import optim
 from ciders.core.diagnostics import RoundStats
-from ciders.core.metagrad import fd_class, metagrad
+from ciders.core.metagrad import exact_hvp, fd_class, metagrad
 from ciders.core.schedules import gamma_at, lr_at
 from ciders.core.tensors import State, clone, digest, lincomb, norm, scale, zeros_like
 
@@ -246,6 +246,9 @@ class _Sums:
 
 
 def _hvp_kw(cfg: CidersConfig, loss_fn: LossFn, batch: Any) -> dict:
+    """algorithm.hvp: exact gives metagrad the double-backward product on this micro-batch."""
+    if cfg.metagrad == "fd" and cfg.hvp == "exact":
+        return {"hvp_fn": lambda x, v: exact_hvp(loss_fn, x, v, batch)}
     return {}
 
 
@@ -261,7 +264,7 @@ def _meta_step(cfg: CidersConfig, loss_fn: LossFn, x: State, eta_in: float, batc
                             **_hvp_kw(cfg, loss_fn, batch))
         g = gm if g is None else lincomb([(1.0, g), (1.0, gm)])
         losses.append(info["loss"])
-        if cfg.metagrad == "fd" and "v" in info:
+        if cfg.metagrad == "fd":
             v_sum = info["v"] if v_sum is None else lincomb([(1.0, v_sum), (1.0, info["v"])])
             corr_sum = info["corr"] if corr_sum is None else lincomb([(1.0, corr_sum), (1.0, info["corr"])])
     n = len(batches)
@@ -269,7 +272,7 @@ def _meta_step(cfg: CidersConfig, loss_fn: LossFn, x: State, eta_in: float, batc
         g = {k: v / n for k, v in g.items()}
     rec = {"loss": sum(losses) / n}
     if cfg.metagrad == "fd":
-        rec["r_fd"] = info["r_fd"] if v_sum is None else norm(corr_sum) / (norm(v_sum) + 1e-12 * n)  # the 1/n of both means cancels
+        rec["r_fd"] = norm(corr_sum) / (norm(v_sum) + 1e-12 * n)  # the 1/n of both means cancels
     return g, rec
 
 
