@@ -89,8 +89,12 @@ def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out
     agg = tables.aggregate(per_seed)
     result = {"config": cfg.name, "methods": methods, "seeds": seeds, "runs": runs, "per_seed": per_seed,
               "aggregate": agg, "ranks": {k: tables.ranks(agg, k) for k in tables.METRICS}}
-    write_json(out / "compare.json", result)
     md = tables.markdown(agg, title=f"{cfg.name}: {', '.join(methods)}", seeds=seeds)
+    pairs = {k: tables.pairwise(per_seed, k) for k in ("nll", "personalized_ppl")}
+    result["pairwise"] = pairs
+    if len(seeds) > 1:
+        md += "".join("\n" + tables.pairwise_markdown(rows, k) for k, rows in pairs.items() if rows)
+    write_json(out / "compare.json", result)
     write_text(out / "compare.md", md)
     return result
 

@@ -158,3 +158,45 @@ def markdown(agg: dict, title: str = "", seeds: list[int] | None = None) -> str:
             cells.append(f"**{s}**" if r == 1 else f"<u>{s}</u>" if r == 2 else s)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def pairwise(per_seed: dict[str, dict[int, dict[str, float]]], metric: str) -> list[dict]:
+    """Every pair of methods on `metric`, over the seeds both have: the mean and sample std of the paired
+    differences a - b (the seeds share split and pre-alignment, so pairing removes their common part), each
+    method's own seed std, which one is better, and `exceeds`: whether the difference is larger than the seed
+    spread, i.e. |mean(a) - mean(b)| > max(std(a), std(b)) and every seed's difference has the same sign."""
+    sign = METRICS[metric][1] if metric in METRICS else -1
+    rows = []
+    methods = [m for m in per_seed if any(metric in v for v in per_seed[m].values())]
+    for i, a in enumerate(methods):
+        for b in methods[i + 1:]:
+            seeds = sorted(s for s in per_seed[a] if s in per_seed[b] and _num(per_seed[a][s].get(metric))
+                           and _num(per_seed[b][s].get(metric)))
+            if not seeds:
+                continue
+            va, vb = ([per_seed[m][s][metric] for s in seeds] for m in (a, b))
+            d = [x - y for x, y in zip(va, vb)]
+            sa, sb = (statistics.stdev(v) if len(v) > 1 else 0.0 for v in (va, vb))
+            mean_d = statistics.fmean(d)
+            better = a if (mean_d * (sign or -1)) > 0 else b
+            rows.append({"a": a, "b": b, "n": len(seeds), "diff_mean": mean_d,
+                         "diff_std": statistics.stdev(d) if len(d) > 1 else 0.0, "std_a": sa, "std_b": sb,
+                         "better": better, "exceeds": len(d) > 1 and abs(mean_d) > max(sa, sb)
+                         and (all(x > 0 for x in d) or all(x < 0 for x in d))})
+    return rows
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def pairwise_markdown(rows: list[dict], metric: str) -> str:
+    label, _, scale, fmt = METRICS.get(metric, (metric, -1, 1.0, "{:.4f}"))
+    out = [f"Pairwise on {label} (a - b over paired seeds; 'exceeds' = |difference of means| > both seed stds and "
+           "the same sign in every seed):", "", "| a | b | a - b (mean ± std) | std a | std b | better | exceeds seed spread |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = fmt.format
+        out.append(f"| {r['a']} | {r['b']} | {f(r['diff_mean'] * scale)} ± {f(r['diff_std'] * scale)} | "
+                   f"{f(r['std_a'] * scale)} | {f(r['std_b'] * scale)} | {r['better']} | {'yes' if r['exceeds'] else 'no'} |")
+    return "\n".join(out) + "\n"
