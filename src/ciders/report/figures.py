@@ -117,7 +117,9 @@ def consensus(per_method: dict[str, tuple[list[dict], list[dict]]], path: str | 
             top, bottom = axes[0][col], axes[1][col]
             top.plot(t, y, "o-", ms=3, color=c, label=m)
             top.fill_between(t, lo, hi, color=c, alpha=0.2, lw=0)
-            bottom.errorbar(g, y, yerr=[y - lo, hi - y], fmt="o", ms=3, color=c, alpha=0.8, label=m)
+            # the p10-p90 range as a line beside the mean (a mean can lie outside it: few, skewed clients)
+            bottom.vlines(g, lo, hi, color=c, alpha=0.8, lw=1)
+            bottom.plot(g, y, "o", ms=3, color=c, alpha=0.8, label=m)
             if ref_key:
                 rt = [r for r in ref if r["round"] + 1 <= (t.max() if t.size else 0)]
                 top.plot([r["round"] + 1 for r in rt], [r[ref_key] for r in rt], "--", color=c,
