@@ -119,3 +119,41 @@ def test_cg_stops_at_later_non_positive_curvature_and_says_so():
     assert info["breakdown"] and info["iters"] == 1 and torch.allclose(v["z"], a * b["z"])
     _, ok = hg.solve_cg(lambda u: {"z": H @ u["z"]}, b, 5)
     assert not ok["breakdown"] and ok["residual"] < 1e-12
+
+
+def _counted(fn):
+    calls = []
+
+    def wrapped(*a):
+        calls.append(1)
+        return fn(*a)
+
+    return wrapped, calls
+
+
+def test_rafbo_computes_the_base_gradient_once_per_hypergradient():
+    f, g, x, y, truth, _ = problem(3)
+    for iters in (1, 3, DY):
+        gc, calls = _counted(g)
+        h, info = hg.hypergradient(f, gc, x, y, solver="cg", iters=iters, second_order="fd", delta=1e-4)
+        # one base gradient, one probe per CG product, one probe for the cross term (was 2 per product)
+        assert len(calls) == 1 + info["iters"] + 1
+    assert max_abs_diff(h, truth) < 1e-6 * (1 + max(float(t.abs().max()) for t in truth.values()))
+
+
+def test_the_fd_probe_has_a_fixed_length_so_its_error_does_not_follow_the_scale_of_v():
+    # a non-quadratic inner loss: the forward difference has a truncation error that grows with the probe length
+    def g(x, y):
+        return (torch.log(torch.cosh(y["u"] - x["a"][:1])) ** 2).sum() + 0.5 * (y["u"] ** 2).sum() * x["a"].sum()
+
+    x = {"a": torch.tensor([0.3, 0.8], dtype=torch.float64)}
+    y = {"u": torch.tensor([0.5, -1.2, 2.0], dtype=torch.float64)}
+    v = {"u": torch.tensor([0.2, 0.1, -0.3], dtype=torch.float64)}
+    exact = hg.hvp_yy(g, x, y, v)
+    for s in (1e-4, 1.0, 1e4):  # f scaled by 1e4 makes v 1e4 times larger: the probe must not grow with it
+        sv = {"u": v["u"] * s}
+        est = hg.hvp_yy_fd(g, x, y, sv, 1e-6)
+        assert max_abs_diff({"u": est["u"] / s}, exact) < 1e-4 * float(exact["u"].abs().max())
+    zero = {"u": torch.zeros(3, dtype=torch.float64)}
+    gc, calls = _counted(g)
+    assert max_abs_diff(hg.hvp_yy_fd(gc, x, y, zero, 1e-6), zero) == 0 and not calls  # v = 0: Hv = 0, no calls

@@ -6,8 +6,9 @@
 RABO: v = [grad^2_yy g]^{-1} grad_y f by conjugate gradient or a Neumann series, using Hessian-vector
 products (double backward); the cross term grad^2_xy g v = d/dx <grad_y g(x, y), v>.
 RAFBO: every second-order product by finite differences of first-order gradients ("second-order
-free", docs/rabo.md#rafbo-finite-difference-products), in the paper's forward form: H_yy v ~ (grad_y g(x, y + d v) -
-grad_y g(x, y)) / d, and grad^2_xy g v ~ (grad_x g(x, y + d v) - grad_x g(x, y)) / d; for low-dimensional x the
+free", docs/rabo.md#rafbo-finite-difference-products), in the paper's forward form with a probe of length d:
+h = d / ||v||, H_yy v ~ (grad_y g(x, y + h v) - grad_y g(x, y)) / h, and grad^2_xy g v ~ (grad_x g(x, y + h v) -
+grad_x g(x, y)) / h, the base gradient grad g(x, y) computed once per hypergradient; for low-dimensional x the
 coordinate estimator J(x, e_p) = (grad_y g(x + mu e_p, y) - grad_y g(x, y)) / mu gives the cross term coordinate by
 coordinate: (grad^2_xy g v)_p = <J(x, e_p), v>. On a quadratic g every forward difference is exact up to
 rounding (the gradients are affine), which the tests use.
@@ -21,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ciders.core.tensors import State, dot, lincomb
+from ciders.core.tensors import State, dot, lincomb, norm
 
 BiLoss = Callable[[State, State], torch.Tensor]
 HVP = Callable[[State], State]
@@ -74,22 +75,36 @@ def cross_xy(g: BiLoss, x: State, y: State, v: State) -> State:
     return _second(g, x, y, v)[0]
 
 
-def hvp_yy_fd(g: BiLoss, x: State, y: State, v: State, delta: float) -> State:
-    _, g0 = grads(g, x, y)
-    _, g1 = grads(g, x, lincomb([(1.0, y), (delta, v)]))
-    return lincomb([(1.0 / delta, g1), (-1.0 / delta, g0)])
+def _fd_along(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None
+              ) -> tuple[State, State]:
+    """(grad^2_xy g v, grad^2_yy g v) ~ (grad g(x, y + h v) - grad g(x, y)) / h with h = delta / ||v||: a probe
+    of length `delta` whatever the scale of v (an absolute step would make the probe delta ||v|| long, so the
+    error would follow the scale of f). `base` = grads(g, x, y), computed once per point by the caller and shared
+    by every product there; v = 0 gives zeros without evaluating anything."""
+    nv = norm(v)
+    if nv == 0.0:
+        return {k: torch.zeros_like(t) for k, t in x.items()}, {k: torch.zeros_like(t) for k, t in y.items()}
+    h = delta / nv
+    gx0, gy0 = grads(g, x, y) if base is None else base
+    gx1, gy1 = grads(g, x, lincomb([(1.0, y), (h, v)]))
+    return lincomb([(1.0 / h, gx1), (-1.0 / h, gx0)]), lincomb([(1.0 / h, gy1), (-1.0 / h, gy0)])
 
 
-def cross_xy_fd(g: BiLoss, x: State, y: State, v: State, delta: float) -> State:
-    g0, _ = grads(g, x, y)
-    g1, _ = grads(g, x, lincomb([(1.0, y), (delta, v)]))
-    return lincomb([(1.0 / delta, g1), (-1.0 / delta, g0)])
+def hvp_yy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
+              ) -> State:
+    return _fd_along(g, x, y, v, delta, base)[1]
 
 
-def cross_xy_coordinates(g: BiLoss, x: State, y: State, v: State, mu: float) -> State:
+def cross_xy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
+                ) -> State:
+    return _fd_along(g, x, y, v, delta, base)[0]
+
+
+def cross_xy_coordinates(g: BiLoss, x: State, y: State, v: State, mu: float,
+                         base: tuple[State, State] | None = None) -> State:
     """(grad^2_xy g v)_p = <J(x, e_p), v>, J(x, e_p) = (grad_y g(x + mu e_p, y) - grad_y g(x, y)) / mu:
     one extra gradient per coordinate of x (for low-dimensional x, e.g. loss hyperparameters)."""
-    _, g0 = grads(g, x, y)
+    _, g0 = grads(g, x, y) if base is None else base
     out = {k: torch.zeros_like(t) for k, t in x.items()}
     for k, t in x.items():
         flat = out[k].view(-1)
@@ -176,10 +191,11 @@ def hypergradient(f: BiLoss, g: BiLoss, x: State, y: State, *, solver: str = "cg
     if second_order not in ("autograd", "fd"):
         raise ValueError(f"second_order must be autograd or fd, got {second_order!r}")
     fx, fy = grads(f, x, y)
+    base = grads(g, x, y) if second_order == "fd" else None  # shared by every finite difference at (x, y)
     if second_order == "autograd":
         hvp = lambda v: hvp_yy(g, x, y, v)  # noqa: E731
     else:
-        hvp = lambda v: hvp_yy_fd(g, x, y, v, delta)  # noqa: E731
+        hvp = lambda v: hvp_yy_fd(g, x, y, v, delta, base)  # noqa: E731
     if solver == "cg":
         v, info = solve_cg(hvp, fy, iters)
     elif solver == "neumann":
@@ -189,7 +205,7 @@ def hypergradient(f: BiLoss, g: BiLoss, x: State, y: State, *, solver: str = "cg
     if second_order == "autograd":
         cross = cross_xy(g, x, y, v)
     elif coordinates:
-        cross = cross_xy_coordinates(g, x, y, v, delta)
+        cross = cross_xy_coordinates(g, x, y, v, delta, base)
     else:
-        cross = cross_xy_fd(g, x, y, v, delta)
+        cross = cross_xy_fd(g, x, y, v, delta, base)
     return lincomb([(1.0, fx), (-1.0, cross)]), info
