@@ -55,19 +55,22 @@ def value_and_grad_y(fn: BiLoss, x: State, y: State) -> tuple[float, State]:
                                  for (k, p), g in zip(yl.items(), gs)}
 
 
-def _second(g: BiLoss, x: State, y: State, v: State) -> tuple[State, State]:
-    """(grad^2_xy g v, grad^2_yy g v) by one double backward of <grad_y g, v>."""
-    xl, yl = _leaf(x), _leaf(y)
+def _second(g: BiLoss, x: State, y: State, v: State, wrt_x: bool = True) -> tuple[State | None, State]:
+    """(grad^2_xy g v, grad^2_yy g v) by one double backward of <grad_y g, v>; with wrt_x False, x is held
+    constant and only the y part is computed (no backward pass through x's part of the graph)."""
+    xl = _leaf(x) if wrt_x else {k: t.detach() for k, t in x.items()}
+    yl = _leaf(y)
     gy = torch.autograd.grad(g(xl, yl), list(yl.values()), create_graph=True)
     inner = sum((a * v[k].detach()).sum() for a, k in zip(gy, yl))
-    params = list(xl.values()) + list(yl.values())
+    params = (list(xl.values()) if wrt_x else []) + list(yl.values())
     out = torch.autograd.grad(inner, params, allow_unused=True)
     out = [torch.zeros_like(p) if o is None else o.detach() for o, p in zip(out, params)]
-    return dict(zip(xl, out[: len(xl)])), dict(zip(yl, out[len(xl) :]))
+    n = len(xl) if wrt_x else 0
+    return (dict(zip(xl, out[:n])) if wrt_x else None), dict(zip(yl, out[n:]))
 
 
 def hvp_yy(g: BiLoss, x: State, y: State, v: State) -> State:
-    return _second(g, x, y, v)[1]
+    return _second(g, x, y, v, wrt_x=False)[1]
 
 
 def cross_xy(g: BiLoss, x: State, y: State, v: State) -> State:
@@ -75,29 +78,39 @@ def cross_xy(g: BiLoss, x: State, y: State, v: State) -> State:
     return _second(g, x, y, v)[0]
 
 
-def _fd_along(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None
-              ) -> tuple[State, State]:
-    """(grad^2_xy g v, grad^2_yy g v) ~ (grad g(x, y + h v) - grad g(x, y)) / h with h = delta / ||v||: a probe
-    of length `delta` whatever the scale of v (an absolute step would make the probe delta ||v|| long, so the
-    error would follow the scale of f). `base` = grads(g, x, y), computed once per point by the caller and shared
-    by every product there; v = 0 gives zeros without evaluating anything."""
+def _probe(y: State, v: State, delta: float) -> tuple[float, State] | None:
+    """(h, y + h v) with h = delta / ||v||: a probe of length `delta` whatever the scale of v (an absolute step
+    would make it delta ||v|| long, so the error would follow the scale of f); None when v = 0."""
     nv = norm(v)
     if nv == 0.0:
-        return {k: torch.zeros_like(t) for k, t in x.items()}, {k: torch.zeros_like(t) for k, t in y.items()}
+        return None
     h = delta / nv
-    gx0, gy0 = grads(g, x, y) if base is None else base
-    gx1, gy1 = grads(g, x, lincomb([(1.0, y), (h, v)]))
-    return lincomb([(1.0 / h, gx1), (-1.0 / h, gx0)]), lincomb([(1.0 / h, gy1), (-1.0 / h, gy0)])
+    return h, lincomb([(1.0, y), (h, v)])
 
 
 def hvp_yy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
               ) -> State:
-    return _fd_along(g, x, y, v, delta, base)[1]
+    """grad^2_yy g v ~ (grad_y g(x, y + h v) - grad_y g(x, y)) / h. `base` = grads(g, x, y), computed once per
+    point by the caller and shared by every product there; the probe differentiates in y only."""
+    pr = _probe(y, v, delta)
+    if pr is None:
+        return {k: torch.zeros_like(t) for k, t in y.items()}
+    h, yp = pr
+    gy0 = (grads(g, x, y) if base is None else base)[1]
+    _, gy1 = value_and_grad_y(g, x, yp)
+    return lincomb([(1.0 / h, gy1), (-1.0 / h, gy0)])
 
 
 def cross_xy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
                 ) -> State:
-    return _fd_along(g, x, y, v, delta, base)[0]
+    """grad^2_xy g v ~ (grad_x g(x, y + h v) - grad_x g(x, y)) / h (same probe and base as hvp_yy_fd)."""
+    pr = _probe(y, v, delta)
+    if pr is None:
+        return {k: torch.zeros_like(t) for k, t in x.items()}
+    h, yp = pr
+    gx0 = (grads(g, x, y) if base is None else base)[0]
+    gx1, _ = grads(g, x, yp)
+    return lincomb([(1.0 / h, gx1), (-1.0 / h, gx0)])
 
 
 def cross_xy_coordinates(g: BiLoss, x: State, y: State, v: State, mu: float,
