@@ -16,8 +16,6 @@ interleaved and the medians of `--repeats` runs are reported.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import replace
 
 import torch
@@ -27,7 +25,7 @@ from ciders.algorithms.ciders import grad_of
 from ciders.config import CidersConfig
 from ciders.models.messenger_loss import MessengerLoss
 from ciders.tasks.text import collate
-from common import parser, setup
+from common import interleaved_medians, parser, setup
 
 
 def main() -> None:
@@ -76,18 +74,10 @@ def main() -> None:
         return run
 
     fns = {"plain": plain, "B": backbone, "M": messenger, "fo": step("fo"), "fd": step("fd")}
-    times = {k: [] for k in fns}
     for _ in range(2):  # warm-up
         for f in fns.values():
             f()
-    for r in range(a.repeats):
-        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
-            sync()
-            t0 = time.perf_counter()
-            fns[k]()
-            sync()
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(fns, a.repeats, sync)
     floor_fo, floor_fd = med["B"] + 2 * med["M"], med["B"] + 4 * med["M"]
     res = {"model": a.model, "device": str(d.device), "dtype": str(d.base.dtype).replace("torch.", ""),
            "batch": [a.batch_size, int(b["input_ids"].shape[1])], "seconds": med,

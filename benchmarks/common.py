@@ -31,3 +31,20 @@ def setup(a: argparse.Namespace, data_file: str, examples: int):
     tok = load_tokenizer(a.model)
     ex, _ = load_examples(ROOT / "data" / "gsm8k-slice" / data_file, limit=examples)
     return d, tok, tokenize(ex, tok, a.max_length)
+
+
+def interleaved_medians(fns: dict, repeats: int, sync) -> dict[str, float]:
+    """Median seconds of each callable over `repeats` rounds, run interleaved (the order reversed every other round,
+    so drift on a noisy machine hits every candidate alike); `sync` waits for the device (a no-op on CPU)."""
+    import statistics
+    import time
+
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeats):
+        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            sync()
+            t0 = time.perf_counter()
+            fns[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) for k, t in times.items()}

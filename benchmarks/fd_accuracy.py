@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -35,7 +33,7 @@ from ciders.core.metagrad import exact_hvp, fd_hvp
 from ciders.core.tensors import lincomb, norm
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.tasks.text import collate
-from common import parser, setup
+from common import interleaved_medians, parser, setup
 
 
 def prepare(a: argparse.Namespace, model: str, dtype: str):
@@ -91,7 +89,6 @@ def timings(losses, x, v, batch, repeats: int) -> dict:
            "grad_fd_dtype": lambda: grad_of(losses["fd"], x, batch),
            "fd": lambda: fd_hvp(lambda p: grad_of(losses["fd"], p, batch), x, v, 1e-4),
            "exact": lambda: exact_hvp(losses["base"], x, v, batch)}
-    times: dict[str, list[float]] = {k: [] for k in fns}
     peak: dict[str, float] = {}
     for k, f in fns.items():  # warm-up; on CUDA also the peak memory of each
         if dev.type == "cuda":
@@ -99,14 +96,7 @@ def timings(losses, x, v, batch, repeats: int) -> dict:
         f()
         if dev.type == "cuda":
             peak[f"{k}_peak_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
-    for r in range(repeats):
-        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
-            sync()
-            t0 = time.perf_counter()
-            fns[k]()
-            sync()
-            times[k].append(time.perf_counter() - t0)
-    out = {f"{k}_s": statistics.median(t) for k, t in times.items()}
+    out = {f"{k}_s": v for k, v in interleaved_medians(fns, repeats, sync).items()}
     # a whole FD step: look-ahead + FO gradient (in the fd dtype for fd) and the HVP
     out["step_fd_s"] = 2 * out["grad_fd_dtype_s"] + out["fd_s"]
     out["step_exact_s"] = 2 * out["grad_base_s"] + out["exact_s"]

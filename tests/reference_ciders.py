@@ -163,20 +163,6 @@ def server_round(cfg, w: dict, c: dict, copies: dict, dcs: dict, sizes: dict, ga
 # ------------------------------------------------------------------ config
 
 
-def space_kw(mode: str) -> dict:
-    """Config overrides selecting `algorithm.consensus_space = mode`; skips the test when the library predates the
-    option (only the paper's rule exists then, and it needs no key)."""
-    import pytest
-
-    from ciders.config import CidersConfig
-
-    if "consensus_space" in CidersConfig.__dataclass_fields__:
-        return {"consensus_space": mode}
-    if mode != "paper":
-        pytest.skip(f"algorithm.consensus_space does not exist yet: no {mode!r} mode to test")
-    return {}
-
-
 def fd_metagrad_exact(eta_hvp: float):
     """The FD meta-gradient with the exact product: v - eta_hvp H(x_k) v, v = the FO meta-gradient and H at the
     current iterate x_k (not at the look-ahead point), by torch.autograd.functional.hvp."""

@@ -7,7 +7,6 @@ from ciders.algorithms import ciders as alg
 from ciders.config import CidersConfig
 from ciders.core.tensors import digest, equal, lincomb, max_abs_diff
 from ciders.experiments.theory import run_theory
-from reference_ciders import space_kw
 from synthetic import SIZES, cfg, quad_clients, setup
 
 
@@ -26,7 +25,7 @@ def run_round(c, server, copies, states, fns, ids, batches=None):
 def test_clipping_bounds_the_whole_corrected_step():
     """Eq. 4 clips g_traj = g + gamma (c - c_i) + eps_prox (x - w) as one vector (paper consensus space); here the
     correction alone is about 20 times max_grad_norm, so clipping g alone would let the step grow with it."""
-    c = cfg(local_steps=2, eta_in=0.0, max_grad_norm=0.1, **space_kw("paper"))
+    c = cfg(local_steps=2, eta_in=0.0, max_grad_norm=0.1, consensus_space="paper")
     fn = quad_clients()[0]
     w = {"x": torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)}
     cc, c_i = {"x": torch.full((6,), 2.0, dtype=torch.float64)}, {"x": -torch.ones(6, dtype=torch.float64)}

@@ -20,7 +20,7 @@ def ref_cfg(mode, opt, **kw):
     base = dict(local_steps=3, grad_accum=2, optimizer=opt, lr=0.1, weight_decay=0.1 if opt == "adamw" else 0.05,
                 max_grad_norm=0.05, schedule="warmup_cosine", warmup_steps=3, min_lr_ratio=0.1, eta_in=0.2,
                 gamma=0.4, alpha=0.5, tau=0.7, eps_prox=0.3)
-    return cfg(**{**base, **kw, **ref.space_kw(mode)})
+    return cfg(**{**base, **kw, "consensus_space": mode})
 
 
 def diff(a: dict, b: dict) -> float:

@@ -88,29 +88,30 @@ def _probe(y: State, v: State, delta: float) -> tuple[float, State] | None:
     return h, lincomb([(1.0, y), (h, v)])
 
 
-def hvp_yy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
-              ) -> State:
-    """grad^2_yy g v ~ (grad_y g(x, y + h v) - grad_y g(x, y)) / h. `base` = grads(g, x, y), computed once per
-    point by the caller and shared by every product there; the probe differentiates in y only."""
+def _fd_product(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None,
+                part: str) -> State:
+    """The `part` ("x" or "y") of (grad g(x, y + h v) - grad g(x, y)) / h: grad^2_xy g v or grad^2_yy g v. `base` =
+    grads(g, x, y), computed once per point by the caller and shared by every product there; a y product's probe
+    differentiates in y only."""
     pr = _probe(y, v, delta)
     if pr is None:
-        return {k: torch.zeros_like(t) for k, t in y.items()}
+        return {k: torch.zeros_like(t) for k, t in (x if part == "x" else y).items()}
     h, yp = pr
-    gy0 = (grads(g, x, y) if base is None else base)[1]
-    _, gy1 = value_and_grad_y(g, x, yp)
-    return lincomb([(1.0 / h, gy1), (-1.0 / h, gy0)])
+    g0 = (grads(g, x, y) if base is None else base)[0 if part == "x" else 1]
+    g1 = grads(g, x, yp)[0] if part == "x" else value_and_grad_y(g, x, yp)[1]
+    return lincomb([(1.0 / h, g1), (-1.0 / h, g0)])
+
+
+def hvp_yy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
+              ) -> State:
+    """grad^2_yy g v ~ (grad_y g(x, y + h v) - grad_y g(x, y)) / h."""
+    return _fd_product(g, x, y, v, delta, base, "y")
 
 
 def cross_xy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
                 ) -> State:
     """grad^2_xy g v ~ (grad_x g(x, y + h v) - grad_x g(x, y)) / h (same probe and base as hvp_yy_fd)."""
-    pr = _probe(y, v, delta)
-    if pr is None:
-        return {k: torch.zeros_like(t) for k, t in x.items()}
-    h, yp = pr
-    gx0 = (grads(g, x, y) if base is None else base)[0]
-    gx1, _ = grads(g, x, yp)
-    return lincomb([(1.0 / h, gx1), (-1.0 / h, gx0)])
+    return _fd_product(g, x, y, v, delta, base, "x")
 
 
 def cross_xy_coordinates(g: BiLoss, x: State, y: State, v: State, mu: float,
