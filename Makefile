@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/consensus_units.py
 	$(BIN)/python benchmarks/fd_accuracy.py
 	$(BIN)/python benchmarks/hypergrad_cost.py
+	$(BIN)/python benchmarks/submodel_cost.py
 
 # The CPU-scale Protocol A and B comparisons of docs/results-cpu.md (about 2 hours on 2 cores), with reports.
 cpu-protocols: $(STAMP)

@@ -75,14 +75,16 @@ def toolchain(language):
 
 
 class QuadTask:
-    """Client i: g_i = 1/2 |Y A_i - X'|^2-ish quadratic in y (strongly convex), f_i = 1/2 |Y - T_i|^2 + |X|^2 / 20;
-    X [4, 3] (layer `enc`) and Y [5, 4] (layer `head`) so structured masks keep whole rows."""
+    """A two-layer linear network, so its sub-models are real ones. Client i: z = X U_i (X [4, 3], layer
+    `enc`; U_i [3, 6]), g_i = 1/2 |Y z - B_i|^2 + 0.05 |Y|^2 (strongly convex in Y [5, 4]), f_i = 1/2 |Y X -
+    T_i|^2 + |X|^2 / 20. The head's columns follow the encoder's rows (`units`), so a client keeping k of
+    X's 4 rows holds X [k, 3] and Y [5, k]."""
 
     def __init__(self, caps=(1.0, 0.5, 0.25), seed=0):
         g = torch.Generator().manual_seed(seed)
         self.caps = list(caps)
-        self.data = [(torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(5, 6, generator=g, dtype=torch.float64),
-                      torch.randn(5, 4, generator=g, dtype=torch.float64)) for _ in caps]
+        self.data = [(0.5 * torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(5, 6, generator=g, dtype=torch.float64),
+                      0.5 * torch.randn(5, 3, generator=g, dtype=torch.float64)) for _ in caps]
         self.evals = []
 
     def clients(self):
@@ -90,11 +92,11 @@ class QuadTask:
 
     def initial(self):
         g = torch.Generator().manual_seed(1)
-        return ({"enc.weight": torch.randn(4, 3, generator=g, dtype=torch.float64)},
+        return ({"enc.weight": 0.5 * torch.randn(4, 3, generator=g, dtype=torch.float64)},
                 {"head.weight": torch.randn(5, 4, generator=g, dtype=torch.float64)})
 
-    def groups(self):
-        return {}
+    def units(self):
+        return {"x": {"enc.weight": ("enc", None)}, "y": {"head.weight": (None, "enc")}}
 
     def batches(self, i, q, n):
         return [i] * n
@@ -103,12 +105,13 @@ class QuadTask:
         return i
 
     def g(self, x, y, i):
-        A, B, _ = self.data[i]
-        z = x["enc.weight"] @ torch.ones(3, 6, dtype=torch.float64) * 0.1 + A
+        U, B, _ = self.data[i]
+        z = x["enc.weight"] @ U
         return 0.5 * ((y["head.weight"] @ z - B) ** 2).sum() + 0.05 * (y["head.weight"] ** 2).sum()
 
     def f(self, x, y, i):
-        return 0.5 * ((y["head.weight"] - self.data[i][2]) ** 2).sum() + 0.05 * (x["enc.weight"] ** 2).sum()
+        return 0.5 * ((y["head.weight"] @ x["enc.weight"] - self.data[i][2]) ** 2).sum() + \
+            0.05 * (x["enc.weight"] ** 2).sum()
 
     def evaluate(self, x, y):
         return {"loss": float(sum(self.f(x, y, i) for i in range(len(self.caps))))}

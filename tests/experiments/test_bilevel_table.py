@@ -26,3 +26,18 @@ def test_mean_std_over_seeds_and_ratios_to_fedmbo_at_the_same_point_and_seed():
     assert "| rabo | 52.00 ± 2.83 [±2.00] | 52.00 ± 2.83 [±2.00] | 2 | 0.250 | 1.000 | 0.250 | 0.250 |" in md
     assert "official 20-way one-shot runs" in md and "| rabo | 20.00 ± 0.00 | 20.00 ± 0.00 |" in md
     json.dumps(rows)  # table.json is plain JSON
+
+
+def test_rows_per_capacity_from_the_final_sub_models():
+    pts = [("default", None)]
+    cells = {}
+    for s in (0, 1):
+        cells[("default", s, "fedmbo")] = summary(0.6, 100.0)
+        cells[("default", s, "rabo")] = {**summary(0.5 + 0.02 * s, 30.0),
+                                        "final_by_capacity": {"0.5": {"accuracy": 0.4 + 0.02 * s, "ci95": 0.01},
+                                                              "0.25": {"accuracy": 0.3, "ci95": 0.01}}}
+    rows = _rows(cells, pts, ["rabo", "fedmbo"], [0, 1])
+    assert [r["method"] for r in rows] == ["rabo", "rabo (R = 0.5)", "rabo (R = 0.25)", "fedmbo"]
+    assert abs(rows[1]["points"]["default"]["mean"] - 41.0) < 1e-9 and rows[2]["points"]["default"]["seeds"] == [30.0, 30.0]
+    md = render({"seeds": [0, 1], "points": ["default"], "rows": rows})
+    assert "| rabo (R = 0.5) | 41.00 ± 1.41 [±1.00] | - | - | - | - | - |" in md and "capacity r" in md

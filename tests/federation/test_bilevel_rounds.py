@@ -11,6 +11,7 @@ from ciders.algorithms import dist_maml, fedmeta
 from ciders.algorithms import rabo as rb
 from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
 from ciders.core.tensors import equal
+from ciders.core import submodel as sm
 from ciders.core.wire import decode, encode
 from ciders.federation.bilevel_loop import in_process, run_bilevel
 from ciders.errors import CidersError
@@ -29,14 +30,26 @@ def exp_for(method="rabo", rounds=2, **rabo):
 
 
 def direct_round(exp, task, state, drop=()):
-    """One round of `algorithms.rabo` called directly, clients in `drop` left out of both phases."""
+    """One round of `algorithms.rabo` called directly, clients in `drop` left out of both phases: each client
+    computes on its extracted sub-model (`core.submodel.client_view`), the server embeds its reply."""
     cfg = exp.rabo
     ids = [i for i in range(len(task.caps)) if i not in drop]
-    masks = {i: rb.client_masks(cfg, state, task.caps[i], groups={}, client=i, capacities=task.caps)
+    masks = {i: rb.client_masks(cfg, state, task.caps[i], units=task.units(), client=i, capacities=task.caps)
              for i in range(len(task.caps))}
-    Gs = [rb.inner_update(cfg, state, masks[i], task.g, task.batches(i, 0, cfg.inner_steps))[0] for i in ids]
+
+    def view(st, i):
+        (x, mx), (y, my) = sm.client_view(st.x, masks[i].x), sm.client_view(st.y, masks[i].y)
+        return rb.BilevelState(st.round, x, y), rb.ClientMasks(mx, my, masks[i].capacity)
+
+    Gs = [sm.scatter(sm.gather(rb.inner_update(cfg, *view(state, i), task.g, task.batches(i, 0, cfg.inner_steps))[0],
+                               view(state, i)[1].y), masks[i].y, state.y) for i in ids]
     mid, _ = rb.server_inner(cfg, state, Gs, [masks[i] for i in ids])
-    hs = [rb.outer_update(cfg, mid, masks[i], task.f, task.g, i)[0] for i in ids]
+    hs = []
+    for i in ids:
+        s_i, m_i = view(mid, i)
+        s_i = rb.BilevelState(mid.round, view(state, i)[0].x, s_i.y)  # x_q, y_{q+1}
+        hs.append(sm.scatter(sm.gather(rb.outer_update(cfg, s_i, m_i, task.f, task.g, i)[0], m_i.x), masks[i].x,
+                             state.x))
     return rb.server_outer(cfg, mid, hs, [masks[i] for i in ids])[0]
 
 
@@ -144,15 +157,21 @@ def test_only_kept_entries_travel():
     exp, task = exp_for("rabo"), QuadTask()
     server = BilevelServer(exp, task, log=lambda s: None)
     server.begin(0)
-    m = server.masks["client2"]  # capacity 1/4: 1 of 4 rows of X, 1 of 5 rows of Y
+    m = server.masks["client2"]  # capacity 1/4: 1 of 4 rows of X, the matching 1 of 4 columns of Y
     comps, _ = decode(server.down("inner", "client2"))
-    assert comps["x"]["enc.weight"].numel() == 3 and comps["y"]["head.weight"].numel() == 4
-    up, rec = client_phase(exp, task, "inner", "client2", server.down("inner", "client2"), {})
-    assert decode(up)[0]["G"]["head.weight"].numel() == int(m.y["head.weight"].sum()) == 4
+    assert comps["x"]["enc.weight"].numel() == 3 and comps["y"]["head.weight"].numel() == 5
+    assert comps["y"]["head.weight@cols"].tolist() == comps["x"]["enc.weight@rows"].tolist()
+    scratch = {}
+    up, rec = client_phase(exp, task, "inner", "client2", server.down("inner", "client2"), scratch)
+    assert scratch["x"]["enc.weight"].shape == (1, 3) and scratch["my"]["head.weight"].shape == (5, 1)  # a sub-model
+    assert decode(up)[0]["G"]["head.weight"].numel() == int(m.y["head.weight"].sum()) == 5
     assert "bytes_up" not in rec and "kept_fraction" not in rec  # the server counts and knows these itself
     full_rec = client_record(server, "inner", "client2", rec, len(server.down("inner", "client2")), len(up))
     assert full_rec["bytes_down"] == len(server.down("inner", "client2")) and full_rec["bytes_up"] == len(up)
     assert full_rec["kept_fraction"] == kept_fraction(m) and full_rec["capacity"] == 0.25
+    # its sub-model: X [1, 3] and Y [5, 1] in float64; a task without `flops` counts the kept fraction
+    assert full_rec["param_bytes"] == (3 + 5) * 8 and full_rec["flops_fraction"] == kept_fraction(m) == 8 / 32
+    assert full_rec["op_estimate"] == full_rec["calls"] * 8 / 32
     full = BilevelServer(exp_for("fedmbo"), task, log=lambda s: None)
     full.begin(0)
     assert len(server.down("inner", "client2")) < len(full.down("inner", "client2"))

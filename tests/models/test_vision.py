@@ -159,7 +159,7 @@ def test_fewshot_task_backbones():
     pool = _pool()
     conv = FewShotTask(pool, [1.0, 0.5], width=8, eval_episodes=2, eval_steps=2)
     x, y = conv.initial()
-    assert conv.backbone == "conv4" and conv.groups() == vz.conv4_groups()
+    assert conv.backbone == "conv4" and conv.units() == {"x": vz.conv4_units(), "y": vz.linear_units("block3.conv")}
     from ciders.runtime import derive_seed
 
     init = vz.conv4_init(width=8, seed=derive_seed(0, "bilevel-init"))
@@ -170,7 +170,7 @@ def test_fewshot_task_backbones():
 
     res = FewShotTask(pool, [1.0, 0.5], width=4, eval_episodes=2, eval_steps=2, backbone="resnet12")
     x, y = res.initial()
-    assert res.groups() == vz.resnet12_groups() and x["block3.conv3.weight"].shape == (40, 40, 3, 3)
+    assert res.units()["x"] == vz.resnet12_units() and x["block3.conv3.weight"].shape == (40, 40, 3, 3)
     assert y["head.weight"].shape == (5, 40)
     ep = res.outer_batch(1, 0)
     assert res.features(x, ep.support).shape == (5, 40)
@@ -190,3 +190,103 @@ def test_backbone_config_option():
     BilevelTaskConfig(backbone="resnet12").validate()
     with pytest.raises(ConfigError, match=r"task\.backbone: must be one of conv4 \| resnet12, got 'vit'"):
         BilevelTaskConfig(backbone="vit").validate()
+
+
+def _real_task(backbone):
+    from helpers import shared
+
+    from ciders.tasks import omniglot as om
+    from ciders.workloads.bilevel import FewShotTask
+
+    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    return FewShotTask(pool, [1.0, 0.5, 0.25, 0.125], width=16 if backbone == "conv4" else 4, backbone=backbone,
+                       eval_episodes=2, eval_steps=2)
+
+
+def _grads(task, x, y, ep):
+    from ciders.core.hypergrad import grads
+
+    return grads(lambda a, b: task.f(a, b, ep) + task.g(a, b, ep), x, y)
+
+
+@pytest.mark.parametrize("backbone", ["conv4", "resnet12"])
+@pytest.mark.parametrize("rule", ["importance", "static", "rolling"])
+def test_no_kept_coordinate_of_a_sub_model_has_a_structurally_zero_gradient(backbone, rule):
+    """Real Omniglot gradients on every capacity's extracted sub-model: every coordinate a client holds
+    gets gradient (the old output-only masks kept input columns fed by dropped channels, whose gradient
+    is exactly 0). Conv4's conv bias is the one exception, and in the full model too: a batch-statistics
+    BN cancels it."""
+    from ciders.algorithms import rabo as rb
+    from ciders.core import submodel as sm
+
+    task = _real_task(backbone)
+    x, y = task.initial()
+    y = {k: 0.1 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in y.items()}
+    ep = task.outer_batch(0, 0)
+    cfg, state = rb.RaboConfig(mask_rule=rule).validate(), rb.init_state(x, y)
+    gx_full, _ = _grads(task, x, y, ep)
+    if backbone == "conv4":
+        assert float(gx_full["block1.conv.bias"].abs().max()) < 1e-4 * float(gx_full["block1.conv.weight"].abs().max())
+    for r in (0.5, 0.25, 0.125):
+        m = rb.client_masks(cfg, rb.BilevelState(3, x, y), r, units=task.units())
+        (xs, _), (ys, _) = sm.client_view(x, m.x), sm.client_view(y, m.y)
+        gx, gy = _grads(task, xs, ys, ep)
+        for k, v in {**gx, **gy}.items():
+            if k.endswith("conv.bias"):
+                continue
+            tiny = 1e-9 * float(v.abs().max())
+            assert bool((v.abs() > tiny).all()), f"R={r} {k}: {int((v.abs() <= tiny).sum())} kept coordinates get no gradient"
+        # the sub-model is the masked full model, computed small: same losses, same gradients on its coordinates
+        loss_sub = float(task.f(xs, ys, ep))
+        loss_mask = float(task.f(mk.apply_mask(state.x, m.x), mk.apply_mask(state.y, m.y), ep))
+        assert loss_sub == pytest.approx(loss_mask, rel=1e-5)
+        gxm, _ = _grads(task, mk.apply_mask(x, m.x), mk.apply_mask(y, m.y), ep)
+        for k in gx:  # (float32: the batch-norm sums run in another order; conv4's bias gradient is roundoff)
+            tol = 1e-3 * float(gx_full[k.replace("bias", "weight") if k.endswith("conv.bias") else k].abs().max())
+            assert torch.allclose(gx[k].reshape(-1), gxm[k].reshape(-1)[m.x[k].reshape(-1) > 0], rtol=1e-2, atol=tol)
+
+
+def test_output_only_masks_keep_coordinates_without_gradient():
+    """What the sub-model plan fixes: pruning output channels only keeps block 1's input columns fed by
+    block 0's dropped channels, and their gradient is exactly 0."""
+    task = _real_task("conv4")
+    x, y = task.initial()
+    y = {k: 0.1 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in y.items()}
+    m = mk.structured_masks(x, 0.5, "importance", groups=vz.conv4_groups())
+    gx, _ = _grads(task, mk.apply_mask(x, m), y, task.outer_batch(0, 0))
+    kept = m["block1.conv.weight"] > 0
+    dead = (gx["block1.conv.weight"] == 0) & kept
+    assert int(dead.sum()) == int(kept.sum()) // 2  # half the kept columns read a dropped channel
+
+
+def test_flops_are_counted_from_the_shapes_and_scale_about_r_squared():
+    from ciders.core import submodel as sm
+
+    p = vz.conv4_init(width=8)
+    shapes = {k: tuple(v.shape) for k, v in p.items()}
+    # by hand: conv3x3 on 28^2, 14^2, 7^2, 3^2 inputs, 1 -> 8 -> 8 -> 8 -> 8 channels
+    assert vz.backbone_flops("conv4", shapes) == 2 * 9 * 8 * (28 ** 2 + 8 * (14 ** 2 + 7 ** 2 + 3 ** 2))
+    m = mk.structured_masks(p, 0.5, "static", units=vz.conv4_units())
+    half = vz.backbone_flops("conv4", sm.sub_shapes(m))
+    assert half == 2 * 9 * 4 * (28 ** 2 + 4 * (14 ** 2 + 7 ** 2 + 3 ** 2))
+    r = vz.resnet12_init(widths=W)
+    mr = mk.structured_masks(r, 0.5, "static", units=vz.resnet12_units())
+    frac = vz.backbone_flops("resnet12", sm.sub_shapes(mr)) / vz.backbone_flops("resnet12", {k: tuple(v.shape) for k, v in r.items()})
+    assert 0.25 <= frac < 0.3  # R^2 everywhere but the first layer, which reads the image
+
+
+def test_resnet12_sub_model_keeps_one_channel_set_across_the_residual_add():
+    p = vz.resnet12_init(widths=W, seed=2)
+    m = mk.structured_masks(p, 0.5, "importance", units=vz.resnet12_units())
+    from ciders.core import submodel as sm
+
+    for i in range(4):
+        b = f"block{i}"
+        rows3, _ = sm.structure(m[f"{b}.conv3.weight"])
+        rows_s, cols_s = sm.structure(m[f"{b}.shortcut.conv.weight"])
+        assert torch.equal(rows3, rows_s)  # both summed branches keep the same block channels
+        if i:
+            assert torch.equal(cols_s, sm.structure(m[f"block{i - 1}.conv3.weight"])[0])  # and the next block reads them
+            assert torch.equal(sm.structure(m[f"{b}.conv1.weight"])[1], cols_s)
+    sub = sm.extract(p, m)
+    assert vz.resnet12_features(sub, _images()).shape == (6, 20)  # the extracted network runs at its own widths

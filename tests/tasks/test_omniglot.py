@@ -48,11 +48,13 @@ def test_rabo_round_on_omniglot_with_conv4():
     s = rb.init_state(vz.conv4_init(width=width, seed=0), vz.linear_init(n_way, width))
     gen = torch.Generator().manual_seed(0)
     eps = [om.episode(pool, sh, n_way, 1, 5, gen) for sh in shards]
-    masks = [rb.client_masks(cfg, s, r, groups=vz.conv4_groups()) for r in (1.0, 0.5, 0.25)]
+    units = {"x": vz.conv4_units(), "y": vz.linear_units("block3.conv")}
+    masks = [rb.client_masks(cfg, s, r, units=units) for r in (1.0, 0.5, 0.25)]
     for m, r in zip(masks, (1.0, 0.5, 0.25)):
         keep = m.x["block3.conv.weight"].reshape(width, -1).amax(1)
         assert int(keep.sum()) == round(r * width) and torch.equal(m.x["block3.bn.weight"], keep)
-        assert bool((m.y["head.weight"] == 1).all())  # class outputs are never pruned
+        # class outputs are never pruned; the head reads only the kept channels
+        assert torch.equal(m.y["head.weight"], keep[None, :].expand(n_way, width))
     Gs = [rb.inner_update(cfg, s, m, g, [e] * 3)[0] for m, e in zip(masks, eps)]
     mid, si = rb.server_inner(cfg, s, Gs, masks)
     outs = [rb.outer_update(cfg, mid, m, f, g, e) for m, e in zip(masks, eps)]
@@ -60,7 +62,7 @@ def test_rabo_round_on_omniglot_with_conv4():
         assert all(bool(torch.isfinite(v).all()) for v in h.values())
         assert all(bool((h[k][m.x[k] == 0] == 0).all()) for k in h)  # nothing outside the sub-model travels
     new, so = rb.server_outer(cfg, mid, [o[0] for o in outs], masks)
-    assert so["covering_x"] == 1 and si["covering_y"] == 3
+    assert so["covering_x"] == 1 and si["covering_y"] == 1  # the head's columns of channels only the full client has
     assert any(not torch.equal(new.x[k], s.x[k]) for k in s.x)
 
 

@@ -49,17 +49,33 @@ def init_state(x: State, y: State) -> BilevelState:
     return BilevelState(0, clone(x), clone(y))
 
 
-def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, groups: dict[str, str] | None = None,
-                 client: int = 0, capacities: Sequence[float] | None = None) -> ClientMasks:
-    """m_x = M(x_q, R_i), m_y = M(y_q, R_i) from the current global weights (recomputed every round);
-    `groups` puts parameters into layers (e.g. `models.vision.conv4_groups()`: a BN follows its conv).
-    `client` and `capacities` (this round's clients in order) are read by the coverage-aware OAP rule."""
+def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, units: dict | None = None,
+                 client: int = 0, capacities: Sequence[float] | None = None, groups: dict[str, str] | None = None
+                 ) -> ClientMasks:
+    """m_x = M(x_q, R_i), m_y = M(y_q, R_i) from the current global weights (recomputed every round), one
+    sub-model over x and y together: `units` = {"x": plan, "y": plan} (`core.masks`; e.g. the head's columns
+    follow the backbone's last layer, `models.vision.conv4_units()`); without it, output units only, with
+    `groups` putting parameters into layers. `mask_target = "y"` keeps x full. `client` and `capacities`
+    (this round's clients in order) are read by the coverage-aware OAP rule."""
     rule = "full" if cfg.method == "fedmbo" else cfg.mask_rule
-    kw = {"round_": state.round, "norm": cfg.mask_norm, "keep_full": cfg.keep_full, "groups": groups,
-          "client": client, "capacities": capacities}
-    mx = mk.structured_masks(state.x, capacity, "full" if cfg.mask_target == "y" else rule, **kw)
-    my = mk.structured_masks(state.y, capacity, rule, **kw)
-    return ClientMasks(mx, my, capacity)
+    kw = {"round_": state.round, "norm": cfg.mask_norm, "client": client, "capacities": capacities}
+    if rule == "magnitude":  # unstructured, tensor by tensor: no plan
+        mx = mk.structured_masks(state.x, capacity, "full" if cfg.mask_target == "y" else rule,
+                                 keep_full=cfg.keep_full, **kw)
+        return ClientMasks(mx, mk.structured_masks(state.y, capacity, rule, keep_full=cfg.keep_full, **kw), capacity)
+    parts = {"x": state.x, "y": state.y}
+    if units is None:
+        plan = {f"{part}/{n}": (None if r is None else f"{part}/{r}", None if c is None else f"{part}/{c}")
+                for part, ps in parts.items() for n, (r, c) in mk.output_units(ps, groups).items()}
+        keep_full = [f"{part}/{k}" for part in parts for k in cfg.keep_full]
+    else:
+        plan = {f"{part}/{n}": tuple(u) for part in parts for n, u in units[part].items()}
+        keep_full = list(cfg.keep_full)
+    params = {f"{part}/{n}": v for part, ps in parts.items() for n, v in ps.items()}
+    full = {plan[f"x/{n}"][0] for n in state.x} if cfg.mask_target == "y" else set()
+    m = mk.structured_masks(params, capacity, rule, units=plan, keep_full=keep_full, full_layers=sorted(
+        x for x in full if x is not None), **kw)
+    return ClientMasks({n: m[f"x/{n}"] for n in state.x}, {n: m[f"y/{n}"] for n in state.y}, capacity)
 
 
 def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss, batches: Sequence

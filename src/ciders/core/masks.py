@@ -1,11 +1,22 @@
 """Structured sub-model masks and per-coordinate aggregation (RABO / RAFBO and its baselines;
 docs/rabo.md#sub-model-masks).
 
-A mask keeps whole output units of a layer: rows of a Linear weight [out, in] (neurons), output channels
-of a conv weight [out, in, kh, kw], and the matching entries of the layer's 1-D parameters (bias,
-normalisation scale / shift). Parameters are grouped into layers by module prefix (`a.b.weight` and
-`a.b.bias` share `a.b`), or by an explicit `groups` map (e.g. a BatchNorm following its conv). A layer
-keeps k = max(1, round(R * out)) units. Extraction rules:
+A mask is a sub-model: it keeps whole units (output channels of a conv, neurons of a Linear) of every
+layer, and each parameter keeps the entries whose units all survive. A `units` plan says, per parameter,
+which layer's units index its dim 0 and which its dim 1:
+
+  units[name] = (rows, cols)   rows / cols: a layer id, or None (that dim is never pruned)
+
+so keeping output channel j of layer l keeps input channel j of layer l + 1 (its `cols` are layer l) and
+the matching entries of l's bias and normalisation scale / shift (their `rows` are l), as width-scaled
+federated learning extracts sub-models (HeteroFL, Diao et al., ICLR 2021; FedRolex; FIARSE). A conv
+weight [out, in, kh, kw] keeps rows x cols x kh x kw, so a layer between two pruned ones costs about R^2
+of its parameters and FLOPs, and no kept coordinate is one whose input the client never computes (its
+gradient would be structurally zero). Without a plan (`groups`, or nothing) each parameter's rows are its
+layer (module prefix, or the `groups` map, e.g. a BatchNorm following its conv) and its cols are never
+pruned: output units only. A layer's units are counted and scored on its lead: its first >= 2-D
+parameter; a layer without one is never pruned. A layer keeps k = max(1, round(R * units)) units.
+Extraction rules:
   importance  the k units with the largest L1 (or L2) norm of the current global weights (RABO)
   static      the first k units: a fixed leading sub-model (HeteroFL, Diao et al., ICLR 2021)
   rolling     a window of k units starting at unit (round mod out), wrapping (FedRolex, Alam et al.,
@@ -103,32 +114,72 @@ def _oap_positions(n: int, ratio: float, round_: int, client: int, n_clients: in
     return (start + torch.arange(ks[client])) % n
 
 
+Units = Mapping[str, tuple]  # param name -> (layer of its dim-0 units | None, layer of its dim-1 units | None)
+
+
+def output_units(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] | None = None) -> dict:
+    """The plan that prunes output units only: rows = the parameter's layer (`layer_groups`), cols never."""
+    return {n: (layer, None) for layer, names in layer_groups(params, groups).items() for n in names}
+
+
+def layer_sizes(params: Mapping[str, torch.Tensor], units: Units) -> dict[str, tuple[str | None, int]]:
+    """{layer: (lead parameter or None, number of units)} of a plan, checked against the shapes: every
+    parameter's rows / cols have its layer's unit count, and every cols layer is some parameter's rows."""
+    if set(units) != set(params):
+        diff = sorted(set(units) ^ set(params))
+        raise ValueError(f"the units plan and the parameters differ (e.g. {diff[0]!r})")
+    sizes: dict[str, tuple[str | None, int]] = {}
+    for n, p in params.items():
+        rows = units[n][0]
+        if rows is None or p.dim() == 0:
+            continue
+        lead, size = sizes.get(rows, (None, None))
+        if lead is None and p.dim() >= 2:
+            sizes[rows] = (n, p.shape[0])
+        elif rows not in sizes:
+            sizes[rows] = (None, p.shape[0])
+    for n, p in params.items():
+        for d, layer in enumerate(units[n][:2]):
+            if layer is None:
+                continue
+            if layer not in sizes:
+                raise ValueError(f"{n}: dim {d} follows layer {layer!r}, which no parameter's rows are")
+            if p.dim() <= d or p.shape[d] != sizes[layer][1]:
+                raise ValueError(f"{n}: dim {d} has {tuple(p.shape)[d] if p.dim() > d else 'no'} entries, but its "
+                                 f"layer {layer!r} has {sizes[layer][1]} units")
+    return sizes
+
+
 def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str = "importance", *,
                      round_: int = 0, norm: str = "l1", groups: Mapping[str, str] | None = None,
-                     keep_full: Sequence[str] = (), client: int = 0, n_clients: int = 1,
-                     capacities: Sequence[float] | None = None) -> State:
-    """0/1 masks (the parameters' dtype and shape) keeping fraction `ratio` of every layer's outputs.
-    `client`, `n_clients`, `capacities`: see `kept_units` (the `oap` rule)."""
-    masks: State = {}
+                     units: Units | None = None, keep_full: Sequence[str] = (), full_layers: Sequence[str] = (),
+                     client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None) -> State:
+    """0/1 masks (the parameters' dtype and shape) of the sub-model keeping fraction `ratio` of every layer's
+    units: parameter p keeps entry [r, c, ...] iff unit r of its rows layer and unit c of its cols layer are
+    kept (`units`: see the module docstring; default `output_units(params, groups)`). Layers in `keep_full`
+    or `full_layers` keep every unit. `client`, `n_clients`, `capacities`: see `kept_units` (`oap`)."""
     if rule == "magnitude":
         return {n: _magnitude_mask(p, ratio) if not any(n.startswith(k + ".") or n == k for k in keep_full)
                 else torch.ones_like(p) for n, p in params.items()}
-    for layer, names in layer_groups(params, groups).items():
-        lead = next((n for n in names if params[n].dim() >= 2), None)
-        if lead is None or layer in keep_full or rule == "full":
-            for n in names:
-                masks[n] = torch.ones_like(params[n])
-            continue
-        keep = kept_units(params[lead], ratio, rule, round_, norm, client=client, n_clients=n_clients,
-                          capacities=capacities)
-        units = params[lead].shape[0]
-        for n in names:
-            p = params[n]
-            if p.shape[0] != units:
-                raise ValueError(f"{n}: dim 0 is {p.shape[0]}, but its layer {layer!r} has {units} output units")
-            m = torch.zeros_like(p)
-            m[keep] = 1
-            masks[n] = m
+    units = output_units(params, groups) if units is None else units
+    keep: dict[str, torch.Tensor] = {}
+    for layer, (lead, size) in layer_sizes(params, units).items():
+        if lead is None or layer in keep_full or layer in full_layers or rule == "full":
+            keep[layer] = torch.arange(size)
+        else:
+            keep[layer] = kept_units(params[lead], ratio, rule, round_, norm, client=client, n_clients=n_clients,
+                                     capacities=capacities)
+    masks: State = {}
+    for n, p in params.items():
+        m = torch.ones_like(p)
+        for d, layer in enumerate(units[n][:2]):
+            if layer is not None and p.dim() > d:
+                on = torch.zeros(p.shape[d], dtype=torch.bool, device=p.device)
+                on[keep[layer].to(p.device)] = True
+                shape = [1] * p.dim()
+                shape[d] = p.shape[d]
+                m = m * on.view(shape).to(p.dtype)
+        masks[n] = m
     return masks
 
 

@@ -2,11 +2,18 @@
 docs/rabo.md#per-coordinate-aggregation-and-covering-numbers).
 
 Downlink (`pack` / `unpack`): the receiver does not know the mask, so each tensor travels as its kept
-entries (1-D, in row-major order) plus where they sit: `name@rows`, the kept output units (int32, dim 0)
-of a structured mask (whole channels / neurons: `core.masks.structured_masks`), or `name@idx`, flat int32
-positions for an unstructured one (the FIARSE-style magnitude rule). A full mask is a structured one
-with every row.
-Uplink (`gather` / `scatter`): the server computed the mask, so only the kept entries travel.
+entries (1-D, in row-major order) plus where they sit. A structured mask (`core.masks.structured_masks`:
+the product of kept units along dim 0 and dim 1) sends `name@rows` (the kept indices of dim 0, int32) and,
+for a >= 2-D tensor, `name@cols` (of dim 1); the kept entries in row-major order are then exactly the
+extracted sub-tensor `t[rows][:, cols]` flattened, and `unpack` hands the client that dense sub-model
+(shape [len(rows), len(cols), ...]) with an all-ones mask: the client computes on the small tensors, so
+its seconds and memory are the sub-model's. An unstructured mask (the FIARSE-style magnitude rule) sends
+`name@idx`, flat int32 positions, and the client gets the full-shape tensor, zero outside its mask, with
+the mask. A full mask is a structured one with every row and column.
+Uplink (`gather` / `scatter`): the server computed the mask, so only the kept entries travel, in the
+same order (a client's gradient on its sub-tensor, flattened, is `gather` of the full-shape one).
+`extract(values, mask)` is what the client holds (for tests and for the server's cost accounting:
+`sub_shapes`).
 
 Every unpacking step checks what it is given against the receiver's reference tensor (shape, dtype,
 sorted in-range unique indices, entry count) and raises `core.wire.PayloadError`; a bad payload never
@@ -23,13 +30,54 @@ from ciders.core.tensors import State
 from ciders.core.wire import PayloadError
 
 
-def _rows(m: torch.Tensor) -> torch.Tensor | None:
-    """The kept rows if the mask keeps whole rows (structured), else None."""
+def structure(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(rows, cols) if the mask is the product of kept indices along dim 0 and dim 1 (cols None for a
+    tensor of < 2 dims), else None (unstructured). Indices int64, sorted."""
     if m.dim() == 0:
         return None
-    flat = m.reshape(m.shape[0], -1)
-    keep = flat.amax(1) > 0
-    return torch.nonzero(keep).flatten().to(torch.int32) if bool((flat[keep] > 0).all()) else None
+    on = m > 0
+    rows = torch.nonzero(on.reshape(m.shape[0], -1).any(1)).flatten()
+    if m.dim() == 1:
+        return rows, None
+    cols = torch.nonzero(on.transpose(0, 1).reshape(m.shape[1], -1).any(1)).flatten()
+    want = torch.zeros_like(on)
+    want[rows[:, None], cols[None, :]] = True
+    return (rows, cols) if torch.equal(want, on) else None
+
+
+def extract(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> State:
+    """What a client holds: the dense sub-tensor t[rows][:, cols] of a structured mask, t * mask otherwise."""
+    out = {}
+    for k, v in values.items():
+        st = structure(mask[k])
+        if st is None:
+            out[k] = v * mask[k]
+        else:
+            rows, cols = st
+            sub = v.index_select(0, rows.to(v.device))
+            out[k] = sub if cols is None else sub.index_select(1, cols.to(v.device))
+    return out
+
+
+def client_view(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> tuple[State, State]:
+    """(values, mask) as the client receives them (`unpack` of `pack`, without the wire): the dense
+    sub-tensor and an all-ones mask where the mask is structured, the masked full tensor and the mask where
+    it is not."""
+    sub = extract(values, mask)
+    return sub, {k: torch.ones_like(v) if structure(mask[k]) is not None else mask[k] for k, v in sub.items()}
+
+
+def sub_shapes(mask: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the client's tensors under each mask (`extract`), without the values."""
+    out = {}
+    for k, m in mask.items():
+        st = structure(m)
+        if st is None:
+            out[k] = tuple(m.shape)
+        else:
+            rows, cols = st
+            out[k] = (len(rows),) + ((len(cols),) + tuple(m.shape[2:]) if cols is not None else ())
+    return out
 
 
 def gather(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> State:
@@ -60,34 +108,69 @@ def pack(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -
     """The kept entries of each tensor and where they sit (see the module docstring)."""
     out = gather(values, mask)
     for k, m in mask.items():
-        rows = _rows(m)
-        if rows is not None:
-            out[f"{k}@rows"] = rows
+        st = structure(m)
+        if st is not None:
+            out[f"{k}@rows"] = st[0].to(torch.int32)
+            if st[1] is not None:
+                out[f"{k}@cols"] = st[1].to(torch.int32)
         else:
             out[f"{k}@idx"] = torch.nonzero(m.reshape(-1) > 0).flatten().to(torch.int32)
     return out
 
 
+def _positions(packed: Mapping[str, torch.Tensor], key: str, n: int, what: str, k: str) -> torch.Tensor | None:
+    pos = packed.get(key)
+    if pos is None:
+        return None
+    if pos.dtype != torch.int32 or pos.dim() != 1:
+        raise PayloadError(f"{what}: {k!r} needs int32 1-D index tensors, got {key} {pos.dtype} {tuple(pos.shape)}")
+    p = pos.long()
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= n or bool((p[1:] <= p[:-1]).any())):
+        raise PayloadError(f"{what}: {k!r} indices must be sorted, unique and in [0, {n})")
+    return p
+
+
 def unpack(packed: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], what: str = "payload"
            ) -> tuple[State, State]:
-    """(values: full shape, zero outside the mask; mask: 0/1 in ref's dtype) from a `pack`ed payload."""
+    """(values, mask) of a `pack`ed payload, as the client computes on them: for a structured tensor the
+    dense sub-tensor [len(rows), len(cols), ...] and an all-ones mask; for an unstructured one (`@idx`) the
+    full shape, zero outside the mask, and the 0/1 mask. `ref` is the receiver's copy of the architecture
+    (full shapes, dtypes, device); every index and count is checked against it."""
     want = set(ref)
     names = {k.split("@")[0] for k in packed}
-    if names != want or len(packed) != 2 * len(ref):
+    n_index = sum(1 for k, r in ref.items() for s in ("@rows", "@cols", "@idx") if f"{k}{s}" in packed)
+    if names != want or len(packed) != len(ref) + n_index:
         diff = sorted(names ^ want) or ["(an index tensor)"]
         raise PayloadError(f"{what}: tensors differ from the expected ones (e.g. {diff[0]!r})")
-    mask = {}
+    values, mask = {}, {}
     for k, r in ref.items():
-        rows, idx = packed.get(f"{k}@rows"), packed.get(f"{k}@idx")
-        pos, n = (rows, r.shape[0] if r.dim() else 1) if rows is not None else (idx, r.numel())
-        if pos is None or pos.dtype != torch.int32 or pos.dim() != 1:
-            raise PayloadError(f"{what}: {k!r} needs int32 1-D {k}@rows or {k}@idx")
-        p = pos.long()
-        if p.numel() and (int(p.min()) < 0 or int(p.max()) >= n or bool((p[1:] <= p[:-1]).any())):
-            raise PayloadError(f"{what}: {k!r} indices must be sorted, unique and in [0, {n})")
-        m = torch.zeros(n, dtype=r.dtype, device=r.device)
-        m[p.to(r.device)] = 1
-        if rows is not None and r.dim() > 1:
-            m = m.view(-1, *([1] * (r.dim() - 1))).expand(r.shape).contiguous()
-        mask[k] = m.view(r.shape)
-    return scatter({k: packed[k] for k in ref}, mask, ref, what), mask
+        v = packed[k]
+        if v.dim() != 1 or v.dtype != r.dtype:
+            raise PayloadError(f"{what}: {k!r} is {tuple(v.shape)} {v.dtype}, expected 1-D {r.dtype}")
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise PayloadError(f"{what}: {k!r} has NaN or Inf")
+        idx = _positions(packed, f"{k}@idx", r.numel(), what, k)
+        rows = _positions(packed, f"{k}@rows", r.shape[0] if r.dim() else 1, what, k)
+        cols = _positions(packed, f"{k}@cols", r.shape[1], what, k) if r.dim() >= 2 else None
+        if idx is not None and (rows is not None or f"{k}@cols" in packed):
+            raise PayloadError(f"{what}: {k!r} has both @idx and @rows/@cols")
+        if idx is None and (rows is None or r.dim() == 0 or (r.dim() >= 2) != (cols is not None)
+                            or (r.dim() < 2 and f"{k}@cols" in packed)):
+            raise PayloadError(f"{what}: {k!r} needs int32 1-D {k}@rows (and {k}@cols for a >= 2-D tensor) "
+                               f"or {k}@idx")
+        if idx is not None:
+            if v.numel() != idx.numel():
+                raise PayloadError(f"{what}: {k!r} has {v.numel()} entries for {idx.numel()} positions, expected")
+            m = torch.zeros(r.numel(), dtype=r.dtype, device=r.device)
+            m[idx.to(r.device)] = 1
+            full = torch.zeros(r.numel(), dtype=r.dtype, device=r.device)
+            full[idx.to(r.device)] = v.to(r.device)
+            values[k], mask[k] = full.view(r.shape), m.view(r.shape)
+            continue
+        shape = (len(rows),) + ((len(cols),) + tuple(r.shape[2:]) if cols is not None else ())
+        if v.numel() != int(torch.Size(shape).numel()):
+            raise PayloadError(f"{what}: {k!r} has {v.numel()} entries, expected {torch.Size(shape).numel()} "
+                               f"(a {shape} sub-tensor)")
+        values[k] = v.to(r.device).view(shape).clone()
+        mask[k] = torch.ones(shape, dtype=r.dtype, device=r.device)
+    return values, mask

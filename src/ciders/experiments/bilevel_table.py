@@ -86,6 +86,25 @@ def _rows(cells: dict, pts, methods, seeds) -> list[dict]:
         row["relative_to_fedmbo"] = {k: statistics.fmean(v) if v else None for k, v in ratios.items()}
         row["covering_x_min"] = min(cells[(name, s, m)].get("covering_x_min", 0) for name, _ in pts for s in seeds)
         rows.append(row)
+        rows += _capacity_rows(cells, pts, m, seeds)
+    return rows
+
+
+def _capacity_rows(cells: dict, pts, m: str, seeds) -> list[dict]:
+    """One row per capacity R < 1 of a sub-model method: the global model's sub-model at R (what a client of
+    that capacity holds at the end, `BilevelServer.evaluate_capacities`), over the same seeds."""
+    caps = [set(cells[(name, s, m)].get("final_by_capacity", {})) for name, _ in pts for s in seeds]
+    if not caps or not caps[0] or any(c != caps[0] for c in caps):
+        return []
+    rows = []
+    for r in sorted(caps[0], key=lambda c: -float(c)):
+        row = {"method": f"{m} (R = {r})", "capacity": float(r), "points": {}, "relative_to_fedmbo": {}}
+        for name, _ in pts:
+            vals = [_metric(cells[(name, s, m)]["final_by_capacity"][r]) for s in seeds]
+            row["points"][name] = {"mean": statistics.fmean(v for v, _ in vals),
+                                   "std": statistics.stdev([v for v, _ in vals]) if len(vals) > 1 else 0.0,
+                                   "ci95": statistics.fmean(c for _, c in vals), "seeds": [v for v, _ in vals]}
+        rows.append(row)
     return rows
 
 
@@ -98,12 +117,15 @@ def render(result: dict) -> str:
              head, "|---" * (len(pts) + 6) + "|"]
     for r in result["rows"]:
         cells = [f"{c['mean']:.2f} ± {c['std']:.2f} [±{c['ci95']:.2f}]" for c in (r["points"][p] for p in pts)]
-        rel = [f"{v:.3f}" if v is not None else "-" for v in r["relative_to_fedmbo"].values()]
+        rel = [f"{v:.3f}" if v is not None else "-" for v in r["relative_to_fedmbo"].values()] or ["-"] * 4
         lines.append(f"| {r['method']} | " + " | ".join(cells + [str(r.get("covering_x_min", "-"))] + rel) + " |")
-    if all("official_runs" in r["points"][p] for r in result["rows"] for p in pts):
+    if any("capacity" in r for r in result["rows"]):
+        lines += ["", "Rows `method (R = r)`: the final global model's sub-model at capacity r, as a client of that "
+                  "capacity holds it (its extraction rule, the same test episodes)."]
+    if all("official_runs" in r["points"][p] for r in result["rows"] if "capacity" not in r for p in pts):
         lines += ["", "The same feature extractors on the 20 official 20-way one-shot runs (Lake et al.), accuracy in %:",
                   "", "| method | " + " | ".join(pts) + " |", "|---" * (len(pts) + 1) + "|"]
-        for r in result["rows"]:
+        for r in (r for r in result["rows"] if "capacity" not in r):
             cells = [f"{r['points'][p]['official_runs']['mean']:.2f} ± {r['points'][p]['official_runs']['std']:.2f}"
                      for p in pts]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")

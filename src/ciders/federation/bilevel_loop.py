@@ -8,17 +8,18 @@ by the transport: in-process (`in_process`) or Flower (`transports.flower.exchan
 (covering numbers C_x*, C_y*, fraction of coordinates trained, who took part) and the evaluation. Measured
 seconds go to OUT/timing.jsonl (wall clock is not reproducible); summary.json has the totals.
 
-Compute is reported three ways, because this implementation trains a sub-model as the full model with
-masked (zero) coordinates, so its wall-clock time shows no saving: `seconds` (measured, dense), `calls`
-(loss evaluations, including those inside second-order products) and `op_estimate` = calls x the kept
-fraction of x and y coordinates (what a physically extracted sub-model would cost, to first order).
-Bytes are the lengths of the messages actually sent (`core.submodel`: only kept entries travel, with the
-index of the kept units on the downlink).
+Compute is reported three ways. Each client computes on its extracted sub-model (`core.submodel`: the
+dense tensors of the channels / neurons it keeps, so its measured `seconds` are the sub-model's), plus
+`calls` (loss evaluations, including those inside second-order products) and `op_estimate` = calls x
+`flops_fraction`, the sub-model's forward FLOPs per example over the full model's, counted from its
+shapes (`task.flops`; about R^2 for a layer between two pruned ones). `param_bytes` is the size of the
+tensors the client holds. Bytes are the lengths of the messages actually sent (only kept entries travel,
+with the indices of the kept rows and columns on the downlink).
 
 Run directories behave as CIDERS's (`federation.rundir.start_run`): a directory holding a committed run
 needs `resume`, and a resume must use the same config.
 
-A task supplies: clients() -> [capacity]; initial() -> (x, y); groups() -> layer groups for masks;
+A task supplies: clients() -> [capacity]; initial() -> (x, y); units() -> the sub-model plan of x and y;
 batches(i, q, T) -> inner batches; outer_batch(i, q); g(x, y, batch), f(x, y, batch);
 evaluate(x, y) -> metrics.
 """
@@ -145,7 +146,8 @@ class BilevelRounds:
         with atomic_path(self.run.root / "final.safetensors") as tmp:
             save_file(_flat(s), str(tmp))
         summary = {"method": self.exp.method, "rounds": self.exp.federation.rounds, "clients": len(self.server.caps),
-                   "final": self.ev, **self.totals, "full_bytes_per_client_round": self.full}
+                   "final": self.ev, "final_by_capacity": self.server.evaluate_capacities(), **self.totals,
+                   "full_bytes_per_client_round": self.full}
         write_json(self.run.root / "summary.json", summary)
         return summary
 

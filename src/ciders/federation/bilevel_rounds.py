@@ -71,6 +71,23 @@ def kept_fraction(m: rb.ClientMasks) -> float:
     return mk.masked_fraction({**{f"x/{k}": v for k, v in m.x.items()}, **{f"y/{k}": v for k, v in m.y.items()}})
 
 
+def submodel_cost(task, m: rb.ClientMasks) -> dict:
+    """What client m's sub-model costs, from the shapes of what it holds (`core.submodel.sub_shapes`):
+    `flops_fraction`, its forward FLOPs per example over the full model's (`task.flops`; a task without
+    one: the kept fraction of coordinates), and `param_bytes`, the bytes of its x and y tensors (an
+    unstructured mask leaves them full-size: dense compute and memory save nothing)."""
+    xs, ys = sm.sub_shapes(m.x), sm.sub_shapes(m.y)
+    nbytes = sum(int(torch.Size(sh).numel()) * m.x[k].element_size() for k, sh in xs.items()) + \
+        sum(int(torch.Size(sh).numel()) * m.y[k].element_size() for k, sh in ys.items())
+    flops = getattr(task, "flops", None)
+    if flops is None:
+        frac = kept_fraction(m)
+    else:
+        full = flops({k: tuple(v.shape) for k, v in m.x.items()}, {k: tuple(v.shape) for k, v in m.y.items()})
+        frac = flops(xs, ys) / max(full, 1)
+    return {"flops_fraction": frac, "param_bytes": nbytes}
+
+
 @dataclass(frozen=True)
 class BilevelRound:
     """One round between `begin` and `finish`: every client's masks, y_{q+1} after the inner phase (`mid`),
@@ -78,6 +95,7 @@ class BilevelRound:
 
     q: int
     masks: dict  # client id -> rb.ClientMasks
+    costs: dict = field(default_factory=dict)  # client id -> submodel_cost(task, masks[id])
     mid: rb.BilevelState | None = None
     next: rb.BilevelState | None = None
     stats: dict = field(default_factory=dict)
@@ -115,9 +133,14 @@ class BilevelServer:
         if self.spec.local_update is not None:
             masks = [rb.ClientMasks(_ones(self.state.x), _ones(self.state.y), 1.0) for _ in self.caps]
         else:
-            masks = [rb.client_masks(self.cfg, self.state, r, groups=self.task.groups(), client=i,
+            masks = [rb.client_masks(self.cfg, self.state, r, units=self.task.units(), client=i,
                                      capacities=self.caps) for i, r in enumerate(self.caps)]
-        self.round = BilevelRound(q, dict(zip(self.ids, masks)))
+        self.round = BilevelRound(q, dict(zip(self.ids, masks)),
+                                  {i: submodel_cost(self.task, m) for i, m in zip(self.ids, masks)})
+
+    def cost(self, i: str) -> dict:
+        """Client i's sub-model cost this round (`submodel_cost`)."""
+        return self.round.costs[i]
 
     def down(self, phase: str, i: str) -> bytes:
         m, s = self.masks[i], self.state
@@ -234,6 +257,21 @@ class BilevelServer:
     def evaluate(self) -> dict:
         return self.task.evaluate(self.state.x, self.state.y)
 
+    def evaluate_capacities(self) -> dict:
+        """{capacity: the task's metrics on the sub-model a client of that capacity would hold now} for every
+        capacity < 1 of the run (the first client of each; `core.submodel.client_view`): what each resource
+        level gets out of the global model. Empty for the full-model methods."""
+        if self.spec.local_update is not None or self.spec.rabo_method == "fedmbo":
+            return {}
+        out = {}
+        for i, r in enumerate(self.caps):
+            if r >= 1 or str(r) in out:
+                continue
+            m = rb.client_masks(self.cfg, self.state, r, units=self.task.units(), client=i, capacities=self.caps)
+            (x, _), (y, _) = sm.client_view(self.state.x, m.x), sm.client_view(self.state.y, m.y)
+            out[str(r)] = self.task.evaluate(x, y)
+        return dict(sorted(out.items(), key=lambda kv: -float(kv[0])))
+
 
 def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMapping[str, dict]
                  ) -> tuple[bytes, dict]:
@@ -263,6 +301,8 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         if "round" not in scratch or int(scratch["round"]["q"]) != q:
             raise PayloadError(f"{i}: outer message of round {q} without this round's inner phase")
         y, my = sm.unpack(comps["y"], y0, "y")
+        if any(my[k].shape != v.shape for k, v in scratch["my"].items()):
+            raise PayloadError(f"{i}: outer message's y sub-model differs from this round's inner one")
         m = rb.ClientMasks(scratch["mx"], my, task.clients()[ci])
         f, g = _Counter(task.f), _Counter(task.g)
         h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(ci, q))
@@ -295,7 +335,7 @@ def client_record(server: "BilevelServer", phase: str, i: str, measured: dict, b
     if "calls" not in rec or "seconds" not in rec:
         raise PayloadError("client record: needs 'calls' and 'seconds'")
     m, cap = server.masks[i], server.caps[client_index(i, len(server.caps))]
-    kept = kept_fraction(m)
+    cost = server.cost(i)
     return {"event": "client", "round": server.state.round, "client": i, "phase": phase, "capacity": cap,
-            "calls": rec["calls"], "kept_fraction": kept, "op_estimate": rec["calls"] * kept, "bytes_down": bytes_down,
-            "bytes_up": bytes_up, **rec}
+            "calls": rec["calls"], "kept_fraction": kept_fraction(m), **cost,
+            "op_estimate": rec["calls"] * cost["flops_fraction"], "bytes_down": bytes_down, "bytes_up": bytes_up, **rec}

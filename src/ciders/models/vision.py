@@ -57,6 +57,18 @@ def conv4_groups() -> dict[str, str]:
     return {f"block{i}.bn.{k}": f"block{i}.conv" for i in range(4) for k in ("weight", "bias")}
 
 
+def conv4_units() -> dict[str, tuple]:
+    """The sub-model plan (`core.masks`): block i's conv, bias and BN are rows of layer `block<i>.conv`; its
+    conv's input channels (dim 1) are block i-1's (the image's channels for block 0: never pruned)."""
+    out: dict[str, tuple] = {}
+    for i in range(4):
+        layer, prev = f"block{i}.conv", (f"block{i - 1}.conv" if i else None)
+        out[f"block{i}.conv.weight"] = (layer, prev)
+        for n in ("conv.bias", "bn.weight", "bn.bias"):
+            out[f"block{i}.{n}"] = (layer, None)
+    return out
+
+
 def conv4_features(p: State, images: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] -> [B, width * (H / 16) * (W / 16)] (64 for 28x28)."""
     h = images
@@ -109,6 +121,33 @@ def resnet12_groups() -> dict[str, str]:
     return out
 
 
+def resnet12_units() -> dict[str, tuple]:
+    """The sub-model plan (`core.masks`) on `resnet12_groups()`'s layers: conv1 reads the previous block's
+    output channels (`block<i-1>.residual`; the image's for block 0), conv2 reads conv1's, conv3 conv2's,
+    and the shortcut the previous block's output, so one kept set of block channels covers both summed
+    branches and the next block's inputs."""
+    out: dict[str, tuple] = {}
+    groups = resnet12_groups()
+    for i in range(4):
+        b, prev = f"block{i}", (f"block{i - 1}.residual" if i else None)
+        out[f"{b}.conv1.weight"] = (f"{b}.conv1", prev)
+        out[f"{b}.conv2.weight"] = (f"{b}.conv2", f"{b}.conv1")
+        out[f"{b}.conv3.weight"] = (f"{b}.residual", f"{b}.conv2")
+        out[f"{b}.shortcut.conv.weight"] = (f"{b}.residual", prev)
+        for n, layer in groups.items():
+            if n.startswith(b + ".") and n.endswith(("bn1.weight", "bn1.bias", "bn2.weight", "bn2.bias", "bn3.weight",
+                                                      "bn3.bias", "shortcut.bn.weight", "shortcut.bn.bias")):
+                out[n] = (layer, None)
+    return out
+
+
+def linear_units(feature_layer: str | None) -> dict[str, tuple]:
+    """The head's plan: its rows are the classes (never pruned), its columns the features of
+    `feature_layer` (the backbone's last layer: the head keeps the columns of the channels the client's
+    backbone computes, "the same model capacity" as x)."""
+    return {"head.weight": (None, feature_layer), "head.bias": (None, None)}
+
+
 def _bn(p: State, name: str, h: torch.Tensor) -> torch.Tensor:
     return F.batch_norm(h, None, None, p[f"{name}.weight"], p[f"{name}.bias"], training=True)
 
@@ -138,3 +177,29 @@ def linear_init(n_out: int, n_in: int, dtype=torch.float32) -> State:
 
 def linear(p: State, feats: torch.Tensor) -> torch.Tensor:
     return F.linear(feats, p["head.weight"], p["head.bias"])
+
+
+def conv_flops(shape: tuple, hw: int) -> int:
+    """Forward FLOPs (2 per multiply-add) of a stride-1 'same' conv of weight shape [o, i, kh, kw] on an
+    hw x hw input, per example."""
+    o, i, kh, kw = shape
+    return 2 * o * i * kh * kw * hw * hw
+
+
+def backbone_flops(backbone: str, shapes: dict, hw: int = 28) -> int:
+    """Forward FLOPs per example of a Conv4 / ResNet12 whose parameters have these `shapes` (a client's
+    extracted sub-model, or the full model): the convolutions, which dominate (batch norm, activations and
+    pooling add O(activations), not counted). Block i sees an (hw // 2^i)^2 input."""
+    total = 0
+    for i in range(4):
+        side = hw // 2 ** i
+        names = ["conv.weight"] if backbone == "conv4" else ["conv1.weight", "conv2.weight", "conv3.weight",
+                                                            "shortcut.conv.weight"]
+        total += sum(conv_flops(tuple(shapes[f"block{i}.{n}"]), side) for n in names)
+    return total
+
+
+def linear_flops(shape: tuple) -> int:
+    """Forward FLOPs of a Linear of weight shape [o, i], per example."""
+    return 2 * shape[0] * shape[1]
+

@@ -72,10 +72,20 @@ class FewShotTask:
             x = vz.conv4_init(width=self.width, seed=derive_seed(self.seed, "bilevel-init"))
         return _to(x, self.device), _to(vz.linear_init(self.n_way, self.widths[-1]), self.device)
 
-    def groups(self) -> dict:
+    def units(self) -> dict:
+        """The sub-model plan of x and y (`core.masks`): the backbone's channels, and the head's columns
+        following its last layer (28x28 images: one feature per channel)."""
         from ciders.models import vision as vz
 
-        return vz.resnet12_groups() if self.backbone == "resnet12" else vz.conv4_groups()
+        if self.backbone == "resnet12":
+            return {"x": vz.resnet12_units(), "y": vz.linear_units("block3.residual")}
+        return {"x": vz.conv4_units(), "y": vz.linear_units("block3.conv")}
+
+    def flops(self, x_shapes: dict, y_shapes: dict) -> int:
+        """Forward FLOPs per example of the model with these parameter shapes (`models.vision`)."""
+        from ciders.models import vision as vz
+
+        return vz.backbone_flops(self.backbone, x_shapes, 28) + vz.linear_flops(y_shapes["head.weight"])
 
     def features(self, x, images):
         from ciders.models import vision as vz
@@ -147,6 +157,13 @@ def _mean_ci(accs: list[float]) -> dict:
     return {"accuracy": float(t.mean()), "ci95": float(1.96 * t.std() / len(accs) ** 0.5) if len(accs) > 1 else 0.0}
 
 
+# x (the loss's per-class hyperparameters) is never pruned; y's hidden neurons are: fc1's rows and the head's
+# matching columns (the classes are never pruned)
+LOSSTUNE_UNITS = {"x": {k: (None, None) for k in ("w", "l", "delta")},
+                  "y": {"fc1.weight": ("fc1", None), "fc1.bias": ("fc1", None), "head.weight": (None, "fc1"),
+                        "head.bias": (None, None)}}
+
+
 class LossTuneTask:
     """Loss tuning (docs/rabo.md#task-2-loss-tuning-with-the-vs-loss): x = VS-loss (w, l, Delta) per class, y = a
     one-hidden-layer classifier on 8x8-average-pooled pixels (48 features; CPU scale). Clients hold an IID split of the
@@ -180,8 +197,14 @@ class LossTuneTask:
         x = {"w": torch.ones(10), "l": torch.zeros(10), "delta": torch.ones(10)}
         return _to(x, self.device), _to(y, self.device)
 
-    def groups(self) -> dict:
-        return {}
+    def units(self) -> dict:
+        return LOSSTUNE_UNITS
+
+    def flops(self, x_shapes: dict, y_shapes: dict) -> int:
+        """Forward FLOPs per example of the classifier with these shapes (the loss adds O(classes))."""
+        from ciders.models import vision as vz
+
+        return vz.linear_flops(y_shapes["fc1.weight"]) + vz.linear_flops(y_shapes["head.weight"])
 
     def batches(self, i: int, q: int, n: int) -> list:
         return [self.train[i]] * n
