@@ -90,7 +90,8 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
         from ciders.experiments.compare import parse_seeds
         from ciders.experiments.sweep import parse_grid
 
-        run_table(exp, methods, parse_seeds(a.seeds or str(exp.seed)), parse_grid(a.grid or []), out, engine=a.engine)
+        run_table(exp, methods, parse_seeds(a.seeds or str(exp.seed)), parse_grid(a.grid or []), out, engine=a.engine,
+                  last=getattr(a, "last_rounds", 1))
         print((out / "table.md").read_text())
     print(f"output directory: {out}")
     return 0
@@ -365,6 +366,8 @@ def parser() -> argparse.ArgumentParser:
                         "federation.clients=10,20,30,50: scalability); one table column per point")
     p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
                    help="local: this process; flower-sim: Flower's simulation runtime (Ray), the same numbers")
+    p.add_argument("--last-rounds", type=int, default=1, metavar="K",
+                   help="tables: the final figure is the mean of the last K rounds' evaluations (default 1)")
     p.add_argument("--resume", action="store_true",
                    help="continue each method from its last checkpoint (same config); tables always do")
     p.set_defaults(fn=_cmd_bilevel)

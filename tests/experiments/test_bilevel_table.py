@@ -41,3 +41,18 @@ def test_rows_per_capacity_from_the_final_sub_models():
     assert abs(rows[1]["points"]["default"]["mean"] - 41.0) < 1e-9 and rows[2]["points"]["default"]["seeds"] == [30.0, 30.0]
     md = render({"seeds": [0, 1], "points": ["default"], "rows": rows})
     assert "| rabo (R = 0.5) | 41.00 ± 1.41 [±1.00] | - | - | - | - | - |" in md and "capacity r" in md
+
+
+def test_the_final_figure_can_average_the_last_rounds():
+    from ciders.experiments.bilevel_table import last_rounds_mean
+
+    evals = [{"event": "eval", "round": -1, "accuracy": 0.2, "ci95": 0.1, "episodes": 4}] + \
+        [{"event": "eval", "round": q, "accuracy": a, "ci95": 0.02, "episodes": 4} for q, a in enumerate([0.3, 0.5, 0.4, 0.6])]
+    got = last_rounds_mean(evals, 3)
+    assert abs(got["accuracy"] - 0.5) < 1e-12 and got["rounds_averaged"] == 3 and got["episodes"] == 4
+    assert last_rounds_mean(evals, 1)["accuracy"] == 0.6
+    assert last_rounds_mean(evals, 10)["rounds_averaged"] == 4  # the evaluation before round 0 never counts
+    import pytest
+
+    with pytest.raises(ValueError, match=">= 1"):
+        last_rounds_mean(evals, 0)
