@@ -82,7 +82,17 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
     exp = _load_cfg(a, "bilevel")
     out = _claim(a, Path(a.out) if a.out else Path("runs") / exp.name, "bilevel")  # also `compare` on this family
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    if a.seeds is None and not a.grid:
+    if getattr(a, "tune", None):
+        from ciders.experiments.bilevel_tune import run_tuned
+        from ciders.experiments.compare import parse_seeds
+        from ciders.experiments.sweep import parse_grid
+
+        if a.grid:
+            raise CidersError("--tune and --grid cannot be combined: tune at one grid point at a time")
+        run_tuned(exp, methods, parse_seeds(a.seeds or str(exp.seed)), parse_grid(a.tune), out, engine=a.engine,
+                  last=getattr(a, "last_rounds", 1))
+        print((out / "tune.md").read_text())
+    elif a.seeds is None and not a.grid:
         run_experiment(exp, out, methods, engine=a.engine, resume=getattr(a, "resume", False))
         print((out / "bilevel.md").read_text())
     else:
@@ -366,6 +376,10 @@ def parser() -> argparse.ArgumentParser:
                         "federation.clients=10,20,30,50: scalability); one table column per point")
     p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
                    help="local: this process; flower-sim: Flower's simulation runtime (Ray), the same numbers")
+    p.add_argument("--tune", action="append", metavar="KEY=V1,V2",
+                   help="tune each method's step sizes on the tuning split (task.tune_per_class), repeatable: "
+                        "rabo.* keys for the bilevel methods, fedmeta.* for the full-model baselines; then run the "
+                        "winner at every --seeds (OUT/tune.md)")
     p.add_argument("--last-rounds", type=int, default=1, metavar="K",
                    help="tables: the final figure is the mean of the last K rounds' evaluations (default 1)")
     p.add_argument("--resume", action="store_true",

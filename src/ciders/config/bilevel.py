@@ -44,6 +44,8 @@ class BilevelTaskConfig:
     imbalance: float = opt(100.0, "losstune: imbalance ratio rho of the training set (n_c = n_max rho^(-c/(C-1)))")
     n_max: int = opt(300, "losstune: training images of the largest class (<= 500 in the shipped subset)")
     val_per_class: int = opt(50, "losstune: balanced validation images per class (from the test split)")
+    tune_per_class: int = opt(0, "losstune: balanced images per class held out of the test split for step-size "
+                                 "tuning (`ciders bilevel --tune`), disjoint from validation and test; 0 = none")
 
     def validate(self) -> None:
         if self.kind not in ("fewshot", "losstune"):
@@ -59,6 +61,9 @@ class BilevelTaskConfig:
             raise ConfigError("task.k_shot + task.q_query: an Omniglot character has 20 drawings")
         if self.imbalance < 1:
             raise ConfigError(f"task.imbalance: must be >= 1, got {self.imbalance}")
+        if self.tune_per_class < 0 or self.val_per_class + self.tune_per_class >= 1000:
+            raise ConfigError("task.tune_per_class: must be >= 0, and val_per_class + tune_per_class must leave "
+                              "test images of the 1000 per class")
         if self.n_max > 500:
             raise ConfigError("task.n_max: the shipped CIFAR-10 train subset has 500 images per class")
 

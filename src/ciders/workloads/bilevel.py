@@ -168,10 +168,10 @@ class LossTuneTask:
     """Loss tuning (docs/rabo.md#task-2-loss-tuning-with-the-vs-loss): x = VS-loss (w, l, Delta) per class, y = a
     one-hidden-layer classifier on 8x8-average-pooled pixels (48 features; CPU scale). Clients hold an IID split of the
     long-tailed training set; the outer loss is cross-entropy on a balanced validation set (each client its share);
-    evaluation is balanced accuracy on the balanced test set."""
+    evaluation is balanced accuracy on the balanced test set (and, given `tune`, on a disjoint tuning split)."""
 
     def __init__(self, train, val, test, capacities: list[float], width: int = 32, reg: float = 1e-3, seed: int = 0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tune=None):
         import torch.nn.functional as F
 
         self.device = dev = torch.device(device)
@@ -185,6 +185,7 @@ class LossTuneTask:
         self.train = [(pool(xt[pt[i::n]]).to(dev), yt[pt[i::n]].to(dev)) for i in range(n)]
         self.val = [(pool(xv[pv[i::n]]).to(dev), yv[pv[i::n]].to(dev)) for i in range(n)]
         self.test = (pool(xs).to(dev), ys.to(dev))
+        self.tune = None if tune is None else (pool(tune[0]).to(dev), tune[1].to(dev))
 
     def clients(self) -> list[float]:
         return list(self.caps)
@@ -232,7 +233,10 @@ class LossTuneTask:
 
         with torch.no_grad():
             logits = self._net(y, self.test[0])
-        return {"balanced_accuracy": balanced_accuracy(logits, self.test[1], 10), "test_examples": len(self.test[1])}
+            out = {"balanced_accuracy": balanced_accuracy(logits, self.test[1], 10), "test_examples": len(self.test[1])}
+            if self.tune is not None:  # the tuning split: what `ciders bilevel --tune` selects step sizes on
+                out["tune_balanced_accuracy"] = balanced_accuracy(self._net(y, self.tune[0]), self.tune[1], 10)
+        return out
 
 
 def build(cfg):
@@ -262,5 +266,8 @@ def build(cfg):
     xt, yt = lt.load_cifar10(root / "cifar10_test.zip")
     tr = lt.per_class_subset(ys, lt.long_tail_counts(t.n_max, 10, t.imbalance))
     va = lt.per_class_subset(yt, [t.val_per_class] * 10)
-    te = lt.per_class_subset(yt, [1000 - t.val_per_class] * 10, offset=t.val_per_class)
-    return LossTuneTask((xs[tr], ys[tr]), (xt[va], yt[va]), (xt[te], yt[te]), caps, t.width, t.reg, cfg.seed, device=dev)
+    held = t.val_per_class + t.tune_per_class  # validation, then the tuning split, then test
+    te = lt.per_class_subset(yt, [1000 - held] * 10, offset=held)
+    tu = lt.per_class_subset(yt, [t.tune_per_class] * 10, offset=t.val_per_class) if t.tune_per_class else None
+    return LossTuneTask((xs[tr], ys[tr]), (xt[va], yt[va]), (xt[te], yt[te]), caps, t.width, t.reg, cfg.seed, device=dev,
+                        tune=None if tu is None else (xt[tu], yt[tu]))

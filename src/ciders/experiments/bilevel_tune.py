@@ -1,0 +1,118 @@
+"""`ciders bilevel CONFIG --methods ... --tune KEY=v1,v2 [--tune ...] --seeds 0,1,2 --last-rounds K`: every method's
+step sizes tuned on the task's tuning split with the same budget, then the chosen setting run over the seeds and
+reported on the test split (docs/rabo.md#fair-step-size-tuning).
+
+  1. Each method is tuned over the `--tune` keys it reads: `rabo.*` for RABO / RAFBO / FedMBO and the sub-model
+     methods, `fedmeta.*` for the full-model baselines. Its budget is the number of grid points; methods with
+     different budgets are reported as such (the table shows each budget).
+  2. Every grid point runs once, at the config's seed. Its score is the tuning-split metric
+     (`tune_balanced_accuracy`: `task.tune_per_class` images per class, disjoint from validation and test), averaged
+     over the last K rounds. The best point wins; ties go to the first point in grid order.
+  3. The winner runs at every seed of `--seeds`. The final figure is the test metric averaged over the last K
+     rounds, mean ± std over the seeds. A seed equal to the tuning seed reuses the tuning run.
+
+Layout: OUT/tune/<method>/<point>/<method>/ and OUT/final/seed<s>/<method>/ (`run_bilevel` directories, reused
+when finished with the same config); OUT/tune.md and OUT/tune.json.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from ciders.errors import ConfigError
+from ciders.fileio import read_jsonl, write_json, write_text
+
+TUNE_METRIC, TEST_METRIC = "tune_balanced_accuracy", "balanced_accuracy"
+
+
+def step_section(method: str) -> str:
+    """The config section holding `method`'s step sizes: fedmeta for a full-model baseline, rabo otherwise."""
+    from ciders.algorithms.registry import get
+
+    return "fedmeta" if get(method, "bilevel").local_update is not None else "rabo"
+
+
+def method_grid(method: str, tune: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """The `--tune` keys `method` reads (those of its `step_section`)."""
+    return [(k, v) for k, v in tune if k.split(".", 1)[0] == step_section(method)]
+
+
+def _score(run: Path, key: str, last: int) -> float:
+    from ciders.experiments.bilevel_table import last_rounds_mean
+
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "eval"]
+    got = last_rounds_mean(evals, last)
+    if key not in got:
+        raise ConfigError(f"{run}: its evaluations have no {key!r}; set task.tune_per_class > 0")
+    return float(got[key])
+
+
+def _run(cfg, d: Path, method: str, log, engine: str) -> Path:
+    from ciders.config import dump_yaml
+    from ciders.experiments.bilevel import run_experiment
+    from ciders.experiments.bilevel_table import _done
+
+    if not _done(d / method, dump_yaml(cfg)):
+        run_experiment(cfg, d, [method], log=log, engine=engine, resume=True)
+    return d / method
+
+
+def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, list[str]]], out: str | Path,
+              last: int = 1, engine: str = "local", log: Callable[[str], None] = print) -> dict:
+    from ciders.algorithms.registry import bilevel_config
+    from ciders.config.bilevel import BilevelExperiment
+    from ciders.experiments.sweep import points
+
+    if exp.task.kind != "losstune" or exp.task.tune_per_class < 1:
+        raise ConfigError("--tune needs a tuning split: task.kind losstune with task.tune_per_class >= 1 "
+                          "(the few-shot task has none yet)")
+    if not isinstance(last, int) or last < 1:
+        raise ConfigError(f"--last-rounds: must be an integer >= 1, got {last!r}")
+    out = Path(out)
+    grids = {m: method_grid(m, tune) for m in methods}
+    for m, g in grids.items():
+        if not g:
+            raise ConfigError(f"{m}: none of the --tune keys is a step size it reads (give {step_section(m)}.* keys)")
+    pts = {m: [(name, bilevel_config(c, m)) for name, c in points(exp, g, cls=BilevelExperiment)]
+           for m, g in grids.items()}  # every point must be a valid config before anything runs
+    rows = []
+    for m in methods:
+        scores = []
+        for k, (name, c) in enumerate(pts[m]):
+            log(f"== tune {m} point {k + 1}/{len(pts[m])}: {name}")
+            scores.append(_score(_run(c, out / "tune" / m / name, m, log, engine), TUNE_METRIC, last))
+        best = max(range(len(scores)), key=lambda j: (scores[j], -j))
+        name, chosen = pts[m][best]
+        finals = []
+        for s in seeds:
+            d = out / "tune" / m / name if s == exp.seed else out / "final" / f"seed{s}"
+            log(f"== final {m} ({name}) seed {s}")
+            finals.append(100 * _score(_run(replace(chosen, seed=s), d, m, log, engine), TEST_METRIC, last))
+        rows.append({"method": m, "budget": len(scores), "chosen": name, "tune_scores": dict(
+            zip((n for n, _ in pts[m]), (100 * v for v in scores))), "tune_best": 100 * scores[best],
+            "test": {"mean": statistics.fmean(finals), "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                     "seeds": finals}})
+    result = {"seeds": seeds, "tuning_seed": exp.seed, "last_rounds": last, "tune": tune, "rows": rows}
+    write_json(out / "tune.json", result)
+    write_text(out / "tune.md", render(result))
+    return result
+
+
+def render(result: dict) -> str:
+    last = result["last_rounds"]
+    lines = [f"Step sizes tuned on the tuning split (seed {result['tuning_seed']}), then balanced test accuracy in % "
+             f"(mean of the last {last} rounds' evaluations; mean ± std over seeds "
+             f"{', '.join(map(str, result['seeds']))}).", "",
+             "| method | budget (grid points) | chosen | tuning-split accuracy | test accuracy |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        t = r["test"]
+        lines.append(f"| {r['method']} | {r['budget']} | {r['chosen']} | {r['tune_best']:.2f} | "
+                     f"{t['mean']:.2f} ± {t['std']:.2f} |")
+    budgets = {r["budget"] for r in result["rows"]}
+    if len(budgets) > 1:
+        each = ", ".join(f"{r['method']} {r['budget']}" for r in result["rows"])
+        lines += ["", f"**Unequal budgets** ({each}): the comparison favours the methods with more grid points."]
+    return "\n".join(lines) + "\n"
