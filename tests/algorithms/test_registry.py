@@ -31,7 +31,10 @@ def test_a_registry_that_misses_a_declared_name_fails_at_import(monkeypatch):
 def test_methods_are_typed_rows_not_module_paths():
     m = registry.get("dist-maml", "bilevel")
     assert m.local_update is dist_maml.local_update and m.task_kind == "fewshot" and m.phases == ("local",)
-    assert registry.get("fedrolex").mask_rule == "rolling" and registry.get("fedrolex").phases == ("inner", "outer")
+    rolex = registry.get("fedrolex")  # a single-level sub-model baseline: the ProtoNet step on its sub-model
+    assert rolex.mask_rule == "rolling" and rolex.phases == ("local",) and rolex.submodel_local
+    assert rolex.local_update is registry.dist_protonet.local_update and rolex.task_kind == "fewshot"
+    assert registry.get("rabo").phases == ("inner", "outer") and not registry.get("dist-maml").submodel_local
     assert registry.get("fedot", "ciders").configure is fedot.configure
     assert registry.get("ciders-fd").phases == ("train",)
 

@@ -24,8 +24,9 @@ def test_pack_then_unpack_restores_the_masked_values_and_the_mask(rule):
     sub = sm.extract(p, m)
     assert all(torch.equal(values[k], sub[k]) for k in p)
     assert {k: tuple(v.shape) for k, v in values.items()} == sm.sub_shapes(m)
+    sts = sm.structures(m)
     for k in p:
-        if sm.structure(m[k]) is None:  # unstructured: the full shape, zero outside the mask, and the mask
+        if sts[k] is None:  # unstructured (any tensor): all at full shape, zero outside the mask, and the mask
             assert torch.equal(mask[k], m[k]) and torch.equal(values[k], p[k] * m[k])
         else:  # structured: the dense sub-tensor, every entry trained
             assert bool((mask[k] == 1).all()) and values[k].numel() == int(m[k].sum())

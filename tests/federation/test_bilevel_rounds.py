@@ -53,9 +53,10 @@ def direct_round(exp, task, state, drop=()):
     return rb.server_outer(cfg, mid, hs, [masks[i] for i in ids])[0]
 
 
-@pytest.mark.parametrize("method", ["rabo", "rafbo", "fedmbo", "fiarse", "oap"])
-def test_a_round_through_messages_equals_the_algorithm_called_directly(tmp_path, method):
-    exp, task = exp_for(method, rounds=1), QuadTask()
+@pytest.mark.parametrize("method,rule", [("rabo", "importance"), ("rafbo", "importance"), ("fedmbo", "full"),
+                                         ("rabo", "magnitude"), ("rabo", "oap")])
+def test_a_round_through_messages_equals_the_algorithm_called_directly(tmp_path, method, rule):
+    exp, task = exp_for(method, rounds=1, mask_rule=rule), QuadTask()
     run_bilevel(exp, task, tmp_path, log=lambda s: None)
     want = direct_round(exp, task, rb.init_state(*task.initial()))
     from safetensors.torch import load_file

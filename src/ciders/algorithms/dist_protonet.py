@@ -62,10 +62,36 @@ def protonet_loss(features: Features, x: State, ep) -> torch.Tensor:
     return F.cross_entropy(logits(features, x, ep), ep.query_labels)
 
 
-def local_update(cfg: FedMetaConfig, task, x: State, y: State, i: int, q: int) -> tuple[State, State, dict]:
-    """Client i of round q: `cfg.local_steps` SGD steps on the prototypical loss of its episodes."""
+def thresholds(x: State, mask: State) -> dict:
+    """FIARSE's per-tensor threshold tau: the smallest |x| the client's mask keeps (0 for an empty mask)."""
+    return {k: v.detach().abs()[mask[k] > 0].min() if bool((mask[k] > 0).any()) else v.new_zeros(())
+            for k, v in x.items()}
+
+
+def threshold_controlled(x: State, mask: State, tau: dict) -> tuple[State, State]:
+    """FIARSE's threshold-controlled sub-model (Wu et al., NeurIPS 2024; docs/rabo.md#sub-model-baselines): with
+    tau fixed when the round starts (`thresholds`), the sub-model at the current x is m = mask * 1{|x| >= tau},
+    so an entry that shrinks below tau during the local steps leaves it, and the gradient of the loss at x * m
+    is taken to x through a smooth surrogate of that step, d m / d|x| = 2 tau / (|x| + tau)^2 on the kept entries:
+      d (x m) / d x = m (1 + 2 tau |x| / (|x| + tau)^2)      (= m where tau = 0: a tensor kept whole)
+    Returns (m, that factor)."""
+    ms, scale = {}, {}
+    for k, v in x.items():
+        a, t = v.detach().abs(), tau[k]
+        m = ((mask[k] > 0) & (a >= t)).to(v.dtype)
+        ms[k] = m
+        scale[k] = m * (1 + (2 * t * a / (a + t) ** 2 if float(t) > 0 else torch.zeros_like(a)))
+    return ms, scale
+
+
+def local_update(cfg: FedMetaConfig, task, x: State, y: State, i: int, q: int, mask: State | None = None,
+                 threshold: bool = False) -> tuple[State, State, dict]:
+    """Client i of round q: `cfg.local_steps` SGD steps on the prototypical loss of its episodes. `mask`: the
+    client trains only those entries of x (an unstructured sub-model held at full shape); `threshold`: FIARSE's
+    threshold-controlled steps on it (`threshold_controlled`)."""
     phi = feature_fn(task)
     x = clone(x)
+    tau = thresholds(x, mask) if threshold and mask is not None else None
     losses, accs = [], []
     for ep in task.batches(i, q, cfg.local_steps):
         out = {}
@@ -77,7 +103,15 @@ def local_update(cfg: FedMetaConfig, task, x: State, y: State, i: int, q: int) -
             out["loss"] = float(val.detach())
             return val
 
-        gx, _ = grads(loss, x, {})
+        if mask is None:
+            gx, _ = grads(loss, x, {})
+        elif threshold:  # the loss at x * m, its gradient through the surrogate factor
+            m, scale = threshold_controlled(x, mask, tau)
+            g_eff, _ = grads(loss, {k: v * m[k] for k, v in x.items()}, {})
+            gx = {k: g_eff[k] * scale[k] for k in x}
+        else:
+            g_eff, _ = grads(loss, {k: v * mask[k] for k, v in x.items()}, {})
+            gx = {k: g_eff[k] * mask[k] for k in x}
         x = sgd(x, gx, cfg.lr)
         losses.append(out["loss"])
         accs.append(out["acc"])

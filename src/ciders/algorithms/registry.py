@@ -5,9 +5,10 @@ A `Method` says which family it belongs to and how it is built from an experimen
   ciders family   `configure(cfg) -> cfg`: CIDERS itself, or a baseline that fixes some of its knobs
                   (docs/method.md, "Baselines as knob settings"); every one runs the same client and
                   server functions (`algorithms.ciders`).
-  bilevel family  RABO / RAFBO / FedMBO and the sub-model baselines run `algorithms.rabo` with their
-                  `rabo_method` and extraction rule `mask_rule`; the full-model baselines run their own
-                  `local_update` (`algorithms.fedmeta`) on the task kind they belong to (docs/rabo.md).
+  bilevel family  RABO / RAFBO / FedMBO run `algorithms.rabo` with their `rabo_method` (and extraction
+                  rule `mask_rule`); the baselines run their own `local_update` (`algorithms.fedmeta`) on
+                  the task kind they belong to, the full model, or, with a `mask_rule`, the sub-model
+                  that rule extracts (the paper's single-level sub-model baselines; docs/rabo.md).
 
 The names a config may hold are declared once, as `Literal` types in the config layer
 (`config.AlgorithmName`, `config.BilevelMethod`); this table must cover exactly them (checked at
@@ -41,6 +42,11 @@ class Method:
     task_kind: str | None = None  # bilevel full-model baselines: the task they belong to
 
     @property
+    def submodel_local(self) -> bool:
+        """A single-level sub-model baseline: its local step runs on an extracted sub-model (`mask_rule`)."""
+        return self.local_update is not None and self.mask_rule is not None
+
+    @property
     def phases(self) -> tuple[str, ...]:
         """The message phases of one round (`federation.exchange`)."""
         if self.family == "ciders":
@@ -67,11 +73,15 @@ _ALL = [
     Method("rabo", "bilevel", "RABO: implicit hypergradients on importance sub-models", rabo_method="rabo"),
     Method("rafbo", "bilevel", "RAFBO: second-order free (finite differences)", rabo_method="rafbo"),
     Method("fedmbo", "bilevel", "FedMBO: every mask full", rabo_method="fedmbo", mask_rule="full"),
-    Method("static", "bilevel", "RABO with a fixed leading sub-model (HeteroFL)", rabo_method="rabo",
-           mask_rule="static"),
-    Method("fedrolex", "bilevel", "RABO with a rolling window (FedRolex)", rabo_method="rabo", mask_rule="rolling"),
-    Method("fiarse", "bilevel", "RABO with magnitude extraction (FIARSE)", rabo_method="rabo", mask_rule="magnitude"),
-    Method("oap", "bilevel", "RABO with coverage-aware extraction (after OAP)", rabo_method="rabo", mask_rule="oap"),
+    # the paper's single-level sub-model baselines: the ProtoNet client step on each one's extracted sub-model
+    Method("static", "bilevel", "single-level sub-model training, fixed leading sub-model (HeteroFL)",
+           mask_rule="static", local_update=dist_protonet.local_update, task_kind="fewshot"),
+    Method("fedrolex", "bilevel", "single-level sub-model training, rolling window (FedRolex)", mask_rule="rolling",
+           local_update=dist_protonet.local_update, task_kind="fewshot"),
+    Method("fiarse", "bilevel", "single-level sub-model training, magnitude extraction with threshold-controlled "
+           "updates (FIARSE)", mask_rule="magnitude", local_update=dist_protonet.local_update, task_kind="fewshot"),
+    Method("oap", "bilevel", "single-level sub-model training, coverage-aware extraction (after OAP)",
+           mask_rule="oap", local_update=dist_protonet.local_update, task_kind="fewshot"),
     Method("dist-protonet", "bilevel", "FedAvg of a prototypical network", local_update=dist_protonet.local_update,
            task_kind="fewshot"),
     Method("dist-maml", "bilevel", "FedAvg of MAML", local_update=dist_maml.local_update, task_kind="fewshot"),
@@ -95,14 +105,16 @@ def get(name: str, family: Family | None = None) -> Method:
 
 
 def bilevel_config(exp, name: str):
-    """The bilevel experiment `exp` with `name` as what it runs: FedMBO with every mask full, Static /
-    FedRolex / FIARSE / OAP as RABO with their extraction rule, the full-model baselines with their own
-    client step (and only on their task kind). A config that names this method but sets a contradicting
+    """The bilevel experiment `exp` with `name` as what it runs: FedMBO with every mask full, the baselines
+    with their own client step (and only on their task kind), Static / FedRolex / FIARSE / OAP on the
+    sub-model their extraction rule gives. A config that names this method but sets a contradicting
     rabo.method is an error."""
     m = get(name, "bilevel")
     if m.local_update is not None:
         if m.task_kind != exp.task.kind:
             raise ConfigError(f"{name} is a baseline of the {m.task_kind} task, not of {exp.task.kind}")
+        if m.mask_rule is not None:  # a sub-model baseline: its extraction rule decides the masks
+            return replace(exp, method=name, rabo=replace(exp.rabo, method="rabo", mask_rule=m.mask_rule)).validate()
         return replace(exp, method=name).validate()
     if exp.method == name and exp.rabo.method not in (m.rabo_method, "rabo"):
         raise ConfigError(f"method {name} runs rabo.method {m.rabo_method}, but the config has rabo.method "

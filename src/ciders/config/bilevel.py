@@ -150,10 +150,10 @@ class BilevelExperiment:
     name: str = opt("bilevel", "run name")
     seed: int = opt(0, "seed for shards, episodes and initial weights")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps: where the models and data of the task live")
-    method: BilevelMethod = opt("rabo", "what runs: RABO / RAFBO / FedMBO, RABO with a baseline's extraction rule "
-                                        "(static, fedrolex, fiarse, oap), or a full-model baseline (dist-protonet, "
-                                        "dist-maml: few-shot; fedavg-notune: loss tuning); `ciders bilevel --methods` "
-                                        "runs several")
+    method: BilevelMethod = opt("rabo", "what runs: RABO / RAFBO / FedMBO, a single-level sub-model baseline "
+                                        "(static, fedrolex, fiarse, oap: few-shot), or a full-model baseline "
+                                        "(dist-protonet, dist-maml: few-shot; fedavg-notune: loss tuning); "
+                                        "`ciders bilevel --methods` runs several")
     task: BilevelTaskConfig = section(BilevelTaskConfig, "the bilevel task and its data")
     federation: BilevelFederationConfig = section(BilevelFederationConfig, "clients, capacities, rounds")
     rabo: RaboConfig = section(RaboConfig, "RABO / RAFBO / FedMBO (ciders.algorithms.rabo)")

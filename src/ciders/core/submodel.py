@@ -9,7 +9,8 @@ extracted sub-tensor `t[rows][:, cols]` flattened, and `unpack` hands the client
 (shape [len(rows), len(cols), ...]) with an all-ones mask: the client computes on the small tensors, so
 its seconds and memory are the sub-model's. An unstructured mask (the FIARSE-style magnitude rule) sends
 `name@idx`, flat int32 positions, and the client gets the full-shape tensor, zero outside its mask, with
-the mask. A full mask is a structured one with every row and column.
+the mask; one unstructured tensor makes the whole set travel this way (`structures`), so the client's
+tensors keep consistent shapes. A full mask is a structured one with every row and column.
 Uplink (`gather` / `scatter`): the server computed the mask, so only the kept entries travel, in the
 same order (a client's gradient on its sub-tensor, flattened, is `gather` of the full-shape one).
 `extract(values, mask)` is what the client holds (for tests and for the server's cost accounting:
@@ -45,11 +46,20 @@ def structure(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | Non
     return (rows, cols) if torch.equal(want, on) else None
 
 
+def structures(mask: Mapping[str, torch.Tensor]) -> dict:
+    """{name: (rows, cols)} if every tensor's mask is structured (a sub-model), else {name: None}: one
+    unstructured tensor (the magnitude rule) makes the client hold every tensor at full shape, so that a
+    bias whose mask happens to be a set of rows stays the size of its weight's output."""
+    st = {k: structure(m) for k, m in mask.items()}
+    return st if all(v is not None for v in st.values()) else {k: None for k in mask}
+
+
 def extract(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> State:
     """What a client holds: the dense sub-tensor t[rows][:, cols] of a structured mask, t * mask otherwise."""
     out = {}
+    sts = structures(mask)
     for k, v in values.items():
-        st = structure(mask[k])
+        st = sts[k]
         if st is None:
             out[k] = v * mask[k]
         else:
@@ -63,15 +73,16 @@ def client_view(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Ten
     """(values, mask) as the client receives them (`unpack` of `pack`, without the wire): the dense
     sub-tensor and an all-ones mask where the mask is structured, the masked full tensor and the mask where
     it is not."""
-    sub = extract(values, mask)
-    return sub, {k: torch.ones_like(v) if structure(mask[k]) is not None else mask[k] for k, v in sub.items()}
+    sub, sts = extract(values, mask), structures(mask)
+    return sub, {k: torch.ones_like(v) if sts[k] is not None else mask[k] for k, v in sub.items()}
 
 
 def sub_shapes(mask: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """Shapes of the client's tensors under each mask (`extract`), without the values."""
     out = {}
+    sts = structures(mask)
     for k, m in mask.items():
-        st = structure(m)
+        st = sts[k]
         if st is None:
             out[k] = tuple(m.shape)
         else:
@@ -107,8 +118,9 @@ def scatter(kept: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor], 
 def pack(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> State:
     """The kept entries of each tensor and where they sit (see the module docstring)."""
     out = gather(values, mask)
+    sts = structures(mask)
     for k, m in mask.items():
-        st = structure(m)
+        st = sts[k]
         if st is not None:
             out[f"{k}@rows"] = st[0].to(torch.int32)
             if st[1] is not None:

@@ -4,8 +4,9 @@ same functions, so they give the same numbers.
 
 A method is a sequence of phases; each phase is one message to each client and one reply:
   rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
-  static / fedrolex /     outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
-  fiarse / oap            (RABO with the sub-model baselines' extraction rules, `core.masks`)
+                          outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
+  static / fedrolex /     local: down the sub-model its rule extracts -> up the kept entries of its change
+  fiarse / oap            after the ProtoNet steps on it; the server takes each coordinate's mean over its holders
   dist-protonet /         local: down the full (x, y) -> up the client's model after its local steps
   dist-maml / fedavg      (`algorithms.fedmeta`: FedAvg of the meta-learner / of the untuned classifier)
 Server (`BilevelServer`, explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i)
@@ -130,7 +131,7 @@ class BilevelServer:
     def begin(self, q: int) -> None:
         if self.state.round != q:
             raise ValueError(f"the server is at round {self.state.round}, asked to begin round {q}")
-        if self.spec.local_update is not None:
+        if self.spec.local_update is not None and not self.spec.submodel_local:
             masks = [rb.ClientMasks(_ones(self.state.x), _ones(self.state.y), 1.0) for _ in self.caps]
         else:
             masks = [rb.client_masks(self.cfg, self.state, r, units=self.task.units(), client=i,
@@ -149,6 +150,8 @@ class BilevelServer:
             return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
         if phase == "outer":
             return encode({"y": sm.pack(self.round.mid.y, m.y)}, meta)[0]
+        if phase == "local" and self.spec.submodel_local:  # a sub-model baseline: its sub-model down
+            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
         if phase == "local":  # a full-model baseline: the whole model down, the client's model up
             return encode({"x": s.x, "y": s.y}, meta)[0]
         raise ValueError(f"unknown phase {phase!r}")
@@ -165,7 +168,7 @@ class BilevelServer:
         returns {client: reason} of the rejected ones."""
         replies = {i: replies[i] for i in self.ids if i in replies}
         if phase == "local":
-            return self._absorb_local(replies)
+            return self._absorb_local_sub(replies) if self.spec.submodel_local else self._absorb_local(replies)
         rejected, vals, used = {}, [], []
         name, field = ("G", "y") if phase == "inner" else ("h", "x")
         ref = self.state.y if phase == "inner" else self.state.x
@@ -237,6 +240,46 @@ class BilevelServer:
             "trained_y": float(n > 0), "local_clients": [i for i in replies if i not in rejected]})
         return rejected
 
+    def _absorb_local_sub(self, replies: dict[str, bytes]) -> dict:
+        """A sub-model baseline's server step (HeteroFL's aggregation): each coordinate becomes the mean of the
+        client models that hold it, s^k - (1/C^k) sum_{i in N^k} (s^k - x_i^k); nobody's coordinates stay.
+        A reply is the kept entries of the client's change s - x_i (`dx`, `dy`), checked like RABO's."""
+        s, rejected, dxs, dys, used = self.state, {}, [], [], []
+        both = {**{f"x/{k}": v for k, v in s.x.items()}, **{f"y/{k}": v for k, v in s.y.items()}}
+        for i in replies:
+            m = self.masks[i]
+            try:
+                comps, meta = decode(replies[i])
+                self._check_meta(meta, "local", i)
+                if set(comps) != {"dx", "dy"}:
+                    raise PayloadError(f"reply must hold dx and dy, got {sorted(comps)}")
+                dx, dy = sm.scatter(comps["dx"], m.x, s.x, f"{i} dx"), sm.scatter(comps["dy"], m.y, s.y, f"{i} dy")
+                why = agg.step_check({**{f"x/{k}": v for k, v in dx.items()}, **{f"y/{k}": v for k, v in dy.items()}},
+                                     both, self.exp.federation.max_step_ratio)
+                if why is not None:
+                    raise PayloadError(why)
+                dxs.append(dx)
+                dys.append(dy)
+                used.append(m)
+            except PayloadError as exc:
+                rejected[i] = str(exc)
+                self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
+        nxt, st = rb.BilevelState(s.round + 1, s.x, s.y), {"covering_x": 0, "covering_y": 0, "trained_x": 0.0,
+                                                           "trained_y": 0.0}
+        if dxs:
+            x, sx = agg.masked_step(s.x, dxs, [m.x for m in used], 1.0)
+            y, sy = agg.masked_step(s.y, dys, [m.y for m in used], 1.0)
+            if agg.all_finite(x, y):
+                nxt = rb.BilevelState(s.round + 1, x, y)
+                st = {"covering_x": sx["covering"], "covering_y": sy["covering"],
+                      "trained_x": sx["coordinates_trained"] / sx["coordinates"],
+                      "trained_y": sy["coordinates_trained"] / sy["coordinates"]}
+            else:
+                rejected.update(self._aggregate_rejected("local", [i for i in replies if i not in rejected]))
+        self.round = replace(self.round, next=nxt, stats={
+            **self.round.stats, **st, "local_clients": [i for i in replies if i not in rejected]})
+        return rejected
+
     def finish(self) -> dict:
         """The round's state becomes the state; returns the round's statistics."""
         if self.round is None or self.round.next is None:
@@ -261,7 +304,7 @@ class BilevelServer:
         """{capacity: the task's metrics on the sub-model a client of that capacity would hold now} for every
         capacity < 1 of the run (the first client of each; `core.submodel.client_view`): what each resource
         level gets out of the global model. Empty for the full-model methods."""
-        if self.spec.local_update is not None or self.spec.rabo_method == "fedmbo":
+        if (self.spec.local_update is not None and not self.spec.submodel_local) or self.spec.rabo_method == "fedmbo":
             return {}
         out = {}
         for i, r in enumerate(self.caps):
@@ -307,6 +350,18 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         f, g = _Counter(task.f), _Counter(task.g)
         h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(ci, q))
         up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
+    elif phase == "local" and (spec := get(exp.method, "bilevel")).submodel_local:
+        if set(comps) != {"x", "y"}:
+            raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
+        x, mx = sm.unpack(comps["x"], x0, "x")
+        y, my = sm.unpack(comps["y"], y0, "y")
+        unstructured = any(bool((v == 0).any()) for v in mx.values())  # FIARSE: a full-shape masked x
+        kw = {"mask": mx, "threshold": cfg.mask_rule == "magnitude"} if unstructured or cfg.mask_rule == "magnitude" \
+            else {}
+        xn, yn, info = spec.local_update(exp.fedmeta, task, x, y, ci, q, **kw)
+        dx, dy = {k: x[k] - xn[k] for k in x}, {k: y[k] - yn[k] for k in y}
+        up = encode({"dx": sm.gather(dx, mx), "dy": sm.gather(dy, my)}, {"round": q, "client": i, "phase": phase})[0]
+        calls = int(info.pop("calls"))
     elif phase == "local" and (spec := get(exp.method, "bilevel")).local_update is not None:
         from ciders.core.wire import check
 
