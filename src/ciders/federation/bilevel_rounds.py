@@ -350,33 +350,34 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         f, g = _Counter(task.f), _Counter(task.g)
         h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(ci, q))
         up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
-    elif phase == "local" and (spec := get(exp.method, "bilevel")).submodel_local:
-        if set(comps) != {"x", "y"}:
-            raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
-        x, mx = sm.unpack(comps["x"], x0, "x")
-        y, my = sm.unpack(comps["y"], y0, "y")
-        unstructured = any(bool((v == 0).any()) for v in mx.values())  # FIARSE: a full-shape masked x
-        kw = {"mask": mx, "threshold": cfg.mask_rule == "magnitude"} if unstructured or cfg.mask_rule == "magnitude" \
-            else {}
-        xn, yn, info = spec.local_update(exp.fedmeta, task, x, y, ci, q, **kw)
-        dx, dy = {k: x[k] - xn[k] for k in x}, {k: y[k] - yn[k] for k in y}
-        up = encode({"dx": sm.gather(dx, mx), "dy": sm.gather(dy, my)}, {"round": q, "client": i, "phase": phase})[0]
-        calls = int(info.pop("calls"))
     elif phase == "local" and (spec := get(exp.method, "bilevel")).local_update is not None:
-        from ciders.core.wire import check
-
-        if set(comps) != {"x", "y"}:
-            raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
-        check(comps["x"], x0, "x")
-        check(comps["y"], y0, "y")
-        xn, yn, info = spec.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
-                                         {k: comps["y"][k].to(v.device) for k, v in y0.items()}, ci, q)
-        up = encode({"x": xn, "y": yn}, {"round": q, "client": i, "phase": phase})[0]
-        calls, m = int(info.pop("calls")), rb.ClientMasks(_ones(x0), _ones(y0), task.clients()[ci])
+        up, calls, info = _local_phase(exp, spec, task, comps, (x0, y0), ci, i, q)
     else:
         raise PayloadError(f"{i}: phase {phase!r} is not a phase of {exp.method}")
     # only what the client measured; the server adds what it knows itself (`client_record`)
     return up, {"calls": calls, "seconds": time.perf_counter() - t0, **info}
+
+
+def _local_phase(exp, spec, task, comps: dict, ref: tuple, ci: int, i: str, q: int) -> tuple[bytes, int, dict]:
+    """A baseline's local steps: on the sub-model it was sent (the sub-model baselines: reply with the kept
+    entries of its change; FIARSE's steps also get its mask) or on the full model (reply with the model)."""
+    from ciders.core.wire import check
+
+    x0, y0 = ref
+    if set(comps) != {"x", "y"}:
+        raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
+    meta = {"round": q, "client": i, "phase": "local"}
+    if spec.submodel_local:
+        (x, mx), (y, my) = sm.unpack(comps["x"], x0, "x"), sm.unpack(comps["y"], y0, "y")
+        kw = {"mask": mx, "threshold": True} if exp.rabo.mask_rule == "magnitude" else {}  # FIARSE: full-shape x
+        xn, yn, info = spec.local_update(exp.fedmeta, task, x, y, ci, q, **kw)
+        dx, dy = {k: x[k] - xn[k] for k in x}, {k: y[k] - yn[k] for k in y}
+        return encode({"dx": sm.gather(dx, mx), "dy": sm.gather(dy, my)}, meta)[0], int(info.pop("calls")), info
+    check(comps["x"], x0, "x")
+    check(comps["y"], y0, "y")
+    xn, yn, info = spec.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
+                                     {k: comps["y"][k].to(v.device) for k, v in y0.items()}, ci, q)
+    return encode({"x": xn, "y": yn}, meta)[0], int(info.pop("calls")), info
 
 
 def client_record(server: "BilevelServer", phase: str, i: str, measured: dict, bytes_down: int, bytes_up: int
