@@ -63,6 +63,12 @@ def test_a_round_is_the_per_coordinate_mean_of_protonet_steps_on_each_sub_model(
     assert all(torch.allclose(got[f"x/{k}"], v, atol=1e-6, rtol=1e-5) for k, v in want.items())
     assert all(torch.equal(got[f"y/{k}"], v) for k, v in y0.items())  # ProtoNet has no head: y stays
     assert set(res["final_by_capacity"]) == {"0.5", "0.25"}
+    # each capacity's row: the final model cut to the sub-model that capacity's first client would hold next
+    final = rb.BilevelState(1, {k: got[f"x/{k}"] for k in x0}, {k: got[f"y/{k}"] for k in y0})
+    for i, r in ((1, 0.5), (2, 0.25)):
+        m = rb.client_masks(exp.rabo, final, r, units=task.units(), client=i, capacities=list(CAPS))
+        (xs, _), (ys, _) = sm.client_view(final.x, m.x), sm.client_view(final.y, m.y)
+        assert res["final_by_capacity"][str(r)] == task.evaluate(xs, ys)
 
 
 def test_fiarse_threshold_controlled_step_by_hand():
@@ -101,3 +107,20 @@ def test_fiarse_local_step_uses_the_surrogate_gradient():
         factor = m.x[k] * (1 + 2 * t * a / (a + t) ** 2) if float(t) > 0 else m.x[k]
         assert torch.allclose(got[k], x[k] - cfg.lr * g[k] * factor, atol=1e-7, rtol=1e-5), k
     assert any(float(tau[k]) > 0 for k in x)  # the surrogate factor is in play
+
+
+def test_a_clients_compute_is_counted_from_its_sub_models_flops():
+    from ciders.federation.bilevel_rounds import BilevelServer, kept_fraction
+    from ciders.models import vision as vz
+
+    exp, task = bilevel_config(BilevelExperiment(federation=BilevelFederationConfig(clients=3, capacities=CAPS)),
+                               "rabo"), _task()
+    server = BilevelServer(exp, task, log=lambda s: None)
+    server.begin(0)
+    m = server.masks["client1"]  # R = 1/2
+    xs, ys = sm.sub_shapes(m.x), sm.sub_shapes(m.y)
+    full = vz.backbone_flops("conv4", {k: tuple(v.shape) for k, v in m.x.items()}) + 2 * 5 * 8
+    want = (vz.backbone_flops("conv4", xs) + 2 * 5 * ys["head.weight"][1]) / full
+    cost = server.cost("client1")
+    assert cost["flops_fraction"] == pytest.approx(want) and cost["flops_fraction"] != pytest.approx(kept_fraction(m))
+    assert cost["param_bytes"] == 4 * sum(torch.Size(s).numel() for s in {**xs, **ys}.values())

@@ -55,6 +55,11 @@ def test_the_tuning_split_is_disjoint_and_required(tmp_path):
     exp = tiny(shared("cifar10"))
     task = build(exp)
     assert len(task.tune[1]) == 50 and len(task.test[1]) == 10 * (1000 - 5 - 5)
+    import torch
+
+    # disjoint: no tuning image is a test or validation image (pooled features, CIFAR has no exact duplicates here)
+    for other in (task.test[0], torch.cat([v[0] for v in task.val])):
+        assert float(torch.cdist(task.tune[0], other).min()) > 0
     with pytest.raises(ConfigError, match="tuning split"):
         run_tuned(replace(exp, task=replace(exp.task, tune_per_class=0)), ["rabo"], [0], [("rabo.alpha", ["0.1"])],
                   tmp_path)

@@ -133,8 +133,7 @@ def layer_sizes(params: Mapping[str, torch.Tensor], units: Units) -> dict[str, t
         rows = units[n][0]
         if rows is None or p.dim() == 0:
             continue
-        lead, size = sizes.get(rows, (None, None))
-        if lead is None and p.dim() >= 2:
+        if sizes.get(rows, (None,))[0] is None and p.dim() >= 2:  # the first >= 2-D parameter leads
             sizes[rows] = (n, p.shape[0])
         elif rows not in sizes:
             sizes[rows] = (None, p.shape[0])

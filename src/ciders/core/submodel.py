@@ -54,10 +54,11 @@ def structures(mask: Mapping[str, torch.Tensor]) -> dict:
     return st if all(v is not None for v in st.values()) else {k: None for k in mask}
 
 
-def extract(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> State:
-    """What a client holds: the dense sub-tensor t[rows][:, cols] of a structured mask, t * mask otherwise."""
+def extract(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor], sts: dict | None = None) -> State:
+    """What a client holds: the dense sub-tensor t[rows][:, cols] of a structured mask, t * mask otherwise
+    (`sts`: `structures(mask)`, when the caller has it)."""
     out = {}
-    sts = structures(mask)
+    sts = structures(mask) if sts is None else sts
     for k, v in values.items():
         st = sts[k]
         if st is None:
@@ -73,7 +74,8 @@ def client_view(values: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Ten
     """(values, mask) as the client receives them (`unpack` of `pack`, without the wire): the dense
     sub-tensor and an all-ones mask where the mask is structured, the masked full tensor and the mask where
     it is not."""
-    sub, sts = extract(values, mask), structures(mask)
+    sts = structures(mask)
+    sub = extract(values, mask, sts)
     return sub, {k: torch.ones_like(v) if sts[k] is not None else mask[k] for k, v in sub.items()}
 
 

@@ -26,6 +26,20 @@ def _metric(final: dict) -> tuple[float, float]:
     return 100 * final["balanced_accuracy"], 0.0
 
 
+def check_last(last) -> None:
+    """--last-rounds must be an integer >= 1 (a ConfigError naming the flag)."""
+    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+        from ciders.errors import ConfigError
+
+        raise ConfigError(f"--last-rounds: must be an integer >= 1, got {last!r}")
+
+
+def _point(vals: list[tuple[float, float]]) -> dict:
+    """One table cell from per-seed (value, CI half width) pairs: mean, sample std, mean CI, the values."""
+    return {"mean": statistics.fmean(v for v, _ in vals), "std": statistics.stdev([v for v, _ in vals])
+            if len(vals) > 1 else 0.0, "ci95": statistics.fmean(c for _, c in vals), "seeds": [v for v, _ in vals]}
+
+
 def last_rounds_mean(evals: list[dict], k: int) -> dict:
     """The mean of each numeric metric over the last k evaluations (accuracy oscillates round to round, so one
     round's value is a noisy final figure); k = 1 is the last evaluation as it is."""
@@ -48,10 +62,7 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
     from ciders.algorithms.registry import bilevel_config
     from ciders.experiments.sweep import points
 
-    if not isinstance(last, int) or last < 1:
-        from ciders.errors import ConfigError
-
-        raise ConfigError(f"--last-rounds: must be an integer >= 1, got {last!r}")
+    check_last(last)
     out = Path(out)
     pts = points(exp, grid, cls=BilevelExperiment) if grid else [("default", exp)]
     for _, c in pts:  # every method must fit every point before anything runs
@@ -91,10 +102,7 @@ def _rows(cells: dict, pts, methods, seeds) -> list[dict]:
         row = {"method": m, "points": {}}
         ratios: dict[str, list[float]] = {"op_estimate": [], "seconds": [], "bytes_up": [], "bytes_down": []}
         for name, _ in pts:
-            vals = [_metric(cells[(name, s, m)]["final"]) for s in seeds]
-            row["points"][name] = {"mean": statistics.fmean(v for v, _ in vals),
-                                   "std": statistics.stdev([v for v, _ in vals]) if len(vals) > 1 else 0.0,
-                                   "ci95": statistics.fmean(c for _, c in vals), "seeds": [v for v, _ in vals]}
+            row["points"][name] = _point([_metric(cells[(name, s, m)]["final"]) for s in seeds])
             off = [100 * cells[(name, s, m)]["final"]["official_runs_accuracy"] for s in seeds
                    if "official_runs_accuracy" in cells[(name, s, m)]["final"]]
             if len(off) == len(seeds):  # the 20 official 20-way one-shot runs (few-shot task)
@@ -122,10 +130,7 @@ def _capacity_rows(cells: dict, pts, m: str, seeds) -> list[dict]:
     for r in sorted(caps[0], key=lambda c: -float(c)):
         row = {"method": f"{m} (R = {r})", "capacity": float(r), "points": {}, "relative_to_fedmbo": {}}
         for name, _ in pts:
-            vals = [_metric(cells[(name, s, m)]["final_by_capacity"][r]) for s in seeds]
-            row["points"][name] = {"mean": statistics.fmean(v for v, _ in vals),
-                                   "std": statistics.stdev([v for v, _ in vals]) if len(vals) > 1 else 0.0,
-                                   "ci95": statistics.fmean(c for _, c in vals), "seeds": [v for v, _ in vals]}
+            row["points"][name] = _point([_metric(cells[(name, s, m)]["final_by_capacity"][r]) for s in seeds])
         rows.append(row)
     return rows
 

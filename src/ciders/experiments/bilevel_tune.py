@@ -2,8 +2,8 @@
 step sizes tuned on the task's tuning split with the same budget, then the chosen setting run over the seeds and
 reported on the test split (docs/rabo.md#fair-step-size-tuning).
 
-  1. Each method is tuned over the `--tune` keys it reads: `rabo.*` for RABO / RAFBO / FedMBO and the sub-model
-     methods, `fedmeta.*` for the full-model baselines. Its budget is the number of grid points; methods with
+  1. Each method is tuned over the `--tune` keys it reads: `rabo.*` for RABO / RAFBO / FedMBO, `fedmeta.*` for
+     the baselines with their own local step (the full-model and the single-level sub-model ones). Its budget is the number of grid points; methods with
      different budgets are reported as such (the table shows each budget).
   2. Every grid point runs once, at the config's seed. Its score is the tuning-split metric
      (`tune_balanced_accuracy`: `task.tune_per_class` images per class, disjoint from validation and test), averaged
@@ -29,7 +29,8 @@ TUNE_METRIC, TEST_METRIC = "tune_balanced_accuracy", "balanced_accuracy"
 
 
 def step_section(method: str) -> str:
-    """The config section holding `method`'s step sizes: fedmeta for a full-model baseline, rabo otherwise."""
+    """The config section holding `method`'s step sizes: fedmeta for a baseline with its own local step, rabo
+    otherwise."""
     from ciders.algorithms.registry import get
 
     return "fedmeta" if get(method, "bilevel").local_update is not None else "rabo"
@@ -64,13 +65,13 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
               last: int = 1, engine: str = "local", log: Callable[[str], None] = print) -> dict:
     from ciders.algorithms.registry import bilevel_config
     from ciders.config.bilevel import BilevelExperiment
+    from ciders.experiments.bilevel_table import check_last
     from ciders.experiments.sweep import points
 
     if exp.task.kind != "losstune" or exp.task.tune_per_class < 1:
         raise ConfigError("--tune needs a tuning split: task.kind losstune with task.tune_per_class >= 1 "
                           "(the few-shot task has none yet)")
-    if not isinstance(last, int) or last < 1:
-        raise ConfigError(f"--last-rounds: must be an integer >= 1, got {last!r}")
+    check_last(last)
     out = Path(out)
     grids = {m: method_grid(m, tune) for m in methods}
     for m, g in grids.items():
