@@ -151,3 +151,34 @@ def test_oap_structured_masks_cover_every_coordinate():
     imp = [mk.structured_masks(p, r, "importance", **{k: v for k, v in kw.items() if k != "capacities"})
            for r in PAPER_CAPS]
     assert agg.masked_step(p, [p] * 10, imp, lr=0.1)[1]["covering"] == 2  # only the two full clients
+
+
+def test_segment_rule_windows_and_the_covering_number_it_sets():
+    """`segment`: client s keeps units [s k, (s + 1) k) mod n of every layer. On Conv4 with the head's columns
+    following the backbone (the C_x* ablation's model), C_x* is the size of the least-shared segment: 2 for
+    segments 0,0,0,1,1,1,2,2,3,3 and 1 for 0,0,0,1,1,1,2,2,2,3; the cross-segment blocks of a conv between two
+    pruned layers are trained by nobody and do not count."""
+    from dataclasses import replace
+
+    from ciders.algorithms import rabo as rb
+    from ciders.config.bilevel import RaboConfig
+    from ciders.models import vision as vz
+
+    w = torch.zeros(8, 2)
+    assert mk.kept_units(w, 0.25, "segment", segment=1).tolist() == [2, 3]
+    assert mk.kept_units(w, 0.25, "segment", segment=5).tolist() == [2, 3]  # mod n
+    assert mk.kept_units(w, 0.5, "segment", segment=1, round_=7).tolist() == [4, 5, 6, 7]  # fixed over rounds
+    with pytest.raises(ValueError, match="segment must be an integer >= 0"):
+        mk.kept_units(w, 0.5, "segment", segment=-1)
+    state = rb.init_state(vz.conv4_init(width=8), vz.linear_init(5, 8))
+    units = {"x": vz.conv4_units(), "y": vz.linear_units("block3.conv")}
+    for segs, want in (((0, 0, 0, 1, 1, 1, 2, 2, 3, 3), 2), ((0, 0, 0, 1, 1, 1, 2, 2, 2, 3), 1)):
+        cfg = replace(RaboConfig(), mask_rule="segment", segments=segs, keep_full=("head",)).validate()
+        ms = [rb.client_masks(cfg, state, 0.25, units=units, client=i) for i in range(10)]
+        _, cx = agg.masked_step(state.x, [state.x] * 10, [m.x for m in ms], lr=0.1)
+        assert cx["covering"] == want
+        assert 0 < cx["coordinates_trained"] < cx["coordinates"]  # off-diagonal blocks: nobody
+        for i in (0, 3, 6):  # every client's mask is its own quarter of block 1's channels
+            assert ms[i].x["block1.conv.bias"].nonzero().flatten().tolist() == [2 * segs[i], 2 * segs[i] + 1]
+    with pytest.raises(Exception, match="rabo.segments: each must be an integer >= 0"):
+        replace(RaboConfig(), segments=(0, -1)).validate()

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ciders.experiments.bilevel_table import _rows, render
 
 
@@ -11,7 +13,7 @@ def summary(acc, up, off=None, cover=1):
             "covering_x_min": cover}
 
 
-def test_mean_std_over_seeds_and_ratios_to_fedmbo_at_the_same_point_and_seed():
+def test_mean_and_t_interval_over_seeds_and_ratios_to_fedmbo_at_the_same_point_and_seed():
     pts = [("task.k_shot=1", None), ("task.k_shot=5", None)]
     cells = {}
     for p, _ in pts:
@@ -21,9 +23,10 @@ def test_mean_std_over_seeds_and_ratios_to_fedmbo_at_the_same_point_and_seed():
     rows = {r["method"]: r for r in _rows(cells, pts, ["rabo", "fedmbo"], [0, 1])}
     cell = rows["rabo"]["points"]["task.k_shot=1"]
     assert abs(cell["mean"] - 52.0) < 1e-9 and abs(cell["std"] - 2 ** 0.5 * 2) < 1e-9 and cell["seeds"] == [50.0, 54.0]
+    assert abs(cell["ci95"] - 12.706 * 2.0) < 1e-9 and abs(cell["episodes_ci95"] - 2.0) < 1e-9  # t_0.975,1 s / sqrt 2
     assert rows["rabo"]["relative_to_fedmbo"]["bytes_up"] == 0.25 and rows["fedmbo"]["relative_to_fedmbo"]["seconds"] == 1.0
     md = render({"seeds": [0, 1], "points": [p for p, _ in pts], "rows": list(rows.values())})
-    assert "| rabo | 52.00 ± 2.83 [±2.00] | 52.00 ± 2.83 [±2.00] | 2 | 0.250 | 1.000 | 0.250 | 0.250 |" in md
+    assert "| rabo | 52.00 ± 25.41 [sd 2.83] | 52.00 ± 25.41 [sd 2.83] | 2 | 0.250 | 1.000 | 0.250 | 0.250 |" in md
     assert "official 20-way one-shot runs" in md and "| rabo | 20.00 ± 0.00 | 20.00 ± 0.00 |" in md
     json.dumps(rows)  # table.json is plain JSON
 
@@ -40,7 +43,7 @@ def test_rows_per_capacity_from_the_final_sub_models():
     assert [r["method"] for r in rows] == ["rabo", "rabo (R = 0.5)", "rabo (R = 0.25)", "fedmbo"]
     assert abs(rows[1]["points"]["default"]["mean"] - 41.0) < 1e-9 and rows[2]["points"]["default"]["seeds"] == [30.0, 30.0]
     md = render({"seeds": [0, 1], "points": ["default"], "rows": rows})
-    assert "| rabo (R = 0.5) | 41.00 ± 1.41 [±1.00] | - | - | - | - | - |" in md and "capacity r" in md
+    assert "| rabo (R = 0.5) | 41.00 ± 12.71 [sd 1.41] | - | - | - | - | - |" in md and "capacity r" in md
 
 
 def test_the_final_figure_can_average_the_last_rounds():
@@ -56,3 +59,26 @@ def test_the_final_figure_can_average_the_last_rounds():
 
     with pytest.raises(ValueError, match=">= 1"):
         last_rounds_mean(evals, 0)
+
+
+def test_paired_contrasts_against_the_sub_model_baselines_and_fedmbo():
+    """rabo - mean(static, fedrolex) per seed, per point and averaged over points, with the t-interval; the
+    pairing is by seed, so a shift shared by every method at a seed cancels."""
+    from ciders.experiments.bilevel_table import contrasts
+
+    pts = ["a", "b"]
+    acc = {"rabo": (0.60, 0.80), "static": (0.50, 0.70), "fedrolex": (0.54, 0.66), "fedmbo": (0.62, 0.84)}
+    cells = {(p, s, m): summary(v[k] + 0.1 * s + (0.01 * s if m == "rabo" else 0.0), 1.0)
+             for m, v in acc.items() for k, p in enumerate(pts) for s in range(3)}
+    got = {c["against"]: c for c in contrasts(cells, pts, ["rabo", "static", "fedrolex", "fedmbo"], [0, 1, 2])}
+    assert set(got) == {"sub-model baselines (static, fedrolex)", "fedmbo"}
+    sub = got["sub-model baselines (static, fedrolex)"]
+    assert sub["method"] == "rabo" and sub["points"]["a"]["mean"] == pytest.approx(8.0 + 1.0)  # 60 - 52, + 1 s
+    assert sub["points"]["b"]["mean"] == pytest.approx(12.0 + 1.0)
+    assert sub["mean_over_points"]["mean"] == pytest.approx(11.0) and sub["mean_over_points"]["std"] == pytest.approx(1.0)
+    assert sub["mean_over_points"]["ci95"] == pytest.approx(4.303 / 3 ** 0.5)  # the shared 0.1 s shift cancels
+    assert got["fedmbo"]["points"]["a"]["mean"] == pytest.approx(-2.0 + 1.0)
+    md = render({"seeds": [0, 1, 2], "points": pts, "rows": _rows(cells, [(p, None) for p in pts],
+                 ["rabo", "static", "fedrolex", "fedmbo"], [0, 1, 2]), "contrasts": list(got.values())})
+    assert "| rabo | sub-model baselines (static, fedrolex) | +9.00 ± 2.48* | +13.00 ± 2.48* | +11.00 ± 2.48* |" in md
+    assert "| rabo | fedmbo | -1.00 ± 2.48 | -3.00 ± 2.48* | -2.00 ± 2.48 |" in md

@@ -74,4 +74,22 @@ def test_unequal_budgets_are_flagged():
             {"method": "fedavg-notune", "budget": 2, "chosen": "fedmeta.lr=0.5", "tune_best": 18.0,
              "test": {"mean": 17.0, "std": 0.5}}]
     md = render({"seeds": [0, 1], "tuning_seed": 0, "last_rounds": 3, "rows": rows})
-    assert "Unequal budgets** (rabo 4, fedavg-notune 2)" in md and "| rabo | 4 | rabo.alpha=0.1 | 20.00 | 19.00 ± 1.00 |" in md
+    assert "Unequal budgets** (rabo 4, fedavg-notune 2)" in md and "| rabo | 4 | rabo.alpha=0.1 | 20.00 | 19.00 ± 0.00 [sd 1.00] | - | - | - | - |" in md
+
+
+def test_contrasts_are_paired_by_seed_and_costs_relative_to_fedmbo():
+    from ciders.experiments.bilevel_tune import contrasts, relative_costs
+
+    cost = lambda k: {"op_estimate": k, "seconds": 1.0, "bytes_up": 2 * k, "bytes_down": k}  # noqa: E731
+    rows = [{"method": "rabo", "test": {"seeds": [18.0, 20.0, 22.0]}, "costs": [cost(1.0), cost(2.0), cost(1.0)]},
+            {"method": "fedmbo", "test": {"seeds": [20.0, 19.0, 24.0]}, "costs": [cost(4.0), cost(4.0), cost(2.0)]},
+            {"method": "fedavg-notune", "test": {"seeds": [16.0, 18.0, 20.0]}, "costs": [cost(1.0)] * 3}]
+    got = {(c["method"], c["against"]): c for c in contrasts(rows)}
+    assert set(got) == {("rabo", "fedavg-notune"), ("fedmbo", "fedavg-notune"), ("rabo", "fedmbo"),
+                        ("fedavg-notune", "fedmbo")}
+    assert got[("rabo", "fedavg-notune")]["mean"] == 2.0 and got[("rabo", "fedavg-notune")]["ci95"] == 0.0  # paired
+    assert got[("rabo", "fedmbo")]["mean"] == pytest.approx(-1.0)
+    assert got[("rabo", "fedmbo")]["ci95"] == pytest.approx(4.303)  # diffs -2, 1, -2: sd sqrt(3)
+    rel = relative_costs(rows)
+    assert rel["rabo"]["op_estimate"] == pytest.approx((0.25 + 0.5 + 0.5) / 3) and rel["fedmbo"]["seconds"] == 1.0
+    assert relative_costs(rows[:1]) == {}

@@ -32,6 +32,10 @@ def test_fewshot_and_losstune_tables(tmp_path, capsys):
     (["--set", "task.shots=2"], "unknown key 'shots' under 'task'"),
     (["--set", "rabo.mask_target=both"], "mask_target: y"),
     (["--methods", "rabo,fednest"], "unknown bilevel method 'fednest'"),
+    (["--set", "task.rotations=5"], "task.rotations: must be 1, 2, 3 or 4"),
+    (["--set", "federation.eval_rounds=2", "--seeds", "0", "--last-rounds", "3"],
+     "set federation.eval_rounds >= 3"),
+    (["--set", "rabo.segments=[0,-1]"], "rabo.segments: each must be an integer >= 0"),
 ])
 def test_bilevel_config_errors(tmp_path, capsys, args, err):
     assert main(["bilevel", str(ROOT / "configs/cpu/rabo_losstune.yaml"), "--out", str(tmp_path), *args]) == 2

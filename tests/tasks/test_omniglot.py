@@ -2,6 +2,7 @@
 masks drop whole conv channels with their BN, capacity-1/4 clients leave channels to the full client
 (C_x* = 1), and the hypergradient flows into x only where the client's mask is on."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -98,3 +99,19 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     assert res["rabo"]["calls"] == res["fedmbo"]["calls"]  # the same evaluations, on smaller sub-models:
     assert res["fedmbo"]["op_estimate"] == res["fedmbo"]["calls"]  # full masks: kept fraction 1
     assert res["rabo"]["op_estimate"] < 0.7 * res["fedmbo"]["op_estimate"]
+
+
+def test_rotations_make_new_classes_and_disjoint_shards_shrink_with_the_clients():
+    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    rot = om.rotations(pool, 4)
+    assert len(rot) == 4 * 136 and om.rotations(pool, 1) is not pool and om.rotations(pool, 1).keys() == pool.keys()
+    name = sorted(pool)[0]
+    assert torch.equal(rot[name], pool[name])
+    a = pool[name][0, 0]
+    assert torch.equal(rot[f"{name}@rot90"][0, 0], torch.rot90(a, 1)) and not torch.equal(rot[f"{name}@rot90"], pool[name])
+    assert torch.equal(rot[f"{name}@rot180"][0, 0], a.flip(0).flip(1))  # 180 degrees: both axes reversed
+    for n, size in ((10, 54), (20, 27), (30, 18), (50, 10)):  # the paper's scalability: 544 / N classes each
+        shards = om.shard(sorted(rot), n, seed=0)
+        assert min(len(s) for s in shards) == size and len({c for s in shards for c in s}) == 544
+    with pytest.raises(om.CidersError, match="rotations must be 1, 2, 3 or 4"):
+        om.rotations(pool, 5)

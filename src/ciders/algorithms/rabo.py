@@ -56,9 +56,11 @@ def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, units: d
     sub-model over x and y together: `units` = {"x": plan, "y": plan} (`core.masks`; e.g. the head's columns
     follow the backbone's last layer, `models.vision.conv4_units()`); without it, output units only, with
     `groups` putting parameters into layers. `mask_target = "y"` keeps x full. `client` and `capacities`
-    (this round's clients in order) are read by the coverage-aware OAP rule."""
+    (this round's clients in order) are read by the coverage-aware OAP rule; `client` picks the `segment`
+    rule's window (`cfg.segments`)."""
     rule = "full" if cfg.method == "fedmbo" else cfg.mask_rule
-    kw = {"round_": state.round, "norm": cfg.mask_norm, "client": client, "capacities": capacities}
+    kw = {"round_": state.round, "norm": cfg.mask_norm, "client": client, "capacities": capacities,
+          "segment": cfg.segments[client % len(cfg.segments)] if cfg.segments else client}
     if rule == "magnitude":  # unstructured, tensor by tensor: no plan
         mx = mk.structured_masks(state.x, capacity, "full" if cfg.mask_target == "y" else rule,
                                  keep_full=cfg.keep_full, **kw)

@@ -21,7 +21,7 @@ from ciders.errors import ConfigError
 BilevelMethod = Literal["rabo", "rafbo", "fedmbo", "static", "fedrolex", "fiarse", "oap", "dist-protonet",
                         "dist-maml", "fedavg-notune"]
 # sub-model extraction rules (`core.masks.RULES`, checked equal by tests/core/test_masks.py)
-MaskRule = Literal["importance", "static", "rolling", "magnitude", "oap", "full"]
+MaskRule = Literal["importance", "static", "rolling", "magnitude", "oap", "full", "segment"]
 
 BACKBONES = ("conv4", "resnet12")
 
@@ -39,6 +39,9 @@ class BilevelTaskConfig:
     reg: float = opt(0.05, "L2 weight on y in the inner loss (strong convexity)")
     shard_size: int = opt(0, "fewshot: characters per client; 0 = disjoint equal shards, k > 0 = each client draws k "
                              "(may overlap; needed when clients x n_way exceeds the character pool)")
+    rotations: int = opt(1, "fewshot: each training character at this many rotations by 90 degrees, each a class "
+                         "(1 = none, 4 = the standard augmentation: 136 -> 544 classes, so disjoint shards of 50 "
+                         "clients still hold 5-way episodes); held-out evaluation is never rotated")
     eval_episodes: int = opt(100, "fewshot: held-out episodes for accuracy and its 95% CI")
     eval_steps: int = opt(20, "fewshot: head-fitting steps on each held-out episode's support")
     imbalance: float = opt(100.0, "losstune: imbalance ratio rho of the training set (n_c = n_max rho^(-c/(C-1)))")
@@ -57,6 +60,8 @@ class BilevelTaskConfig:
                 raise ConfigError(f"task.{k}: must be >= 1, got {getattr(self, k)}")
         if self.shard_size < 0:
             raise ConfigError(f"task.shard_size: must be >= 0, got {self.shard_size}")
+        if self.rotations not in (1, 2, 3, 4):
+            raise ConfigError(f"task.rotations: must be 1, 2, 3 or 4 (multiples of 90 degrees), got {self.rotations}")
         if self.k_shot + self.q_query > 20:
             raise ConfigError("task.k_shot + task.q_query: an Omniglot character has 20 drawings")
         if self.imbalance < 1:
@@ -74,6 +79,9 @@ class BilevelFederationConfig:
     capacities: tuple[float, ...] = opt((1.0, 0.5, 0.25, 0.125, 0.0625),
                                         "capacity ratios R, assigned to clients in turn (client i gets R[i mod len])")
     rounds: int = opt(20, "Q: global iterations")
+    eval_rounds: int = opt(0, "evaluate the global model after only the last N rounds (0 = after every round and "
+                           "the initial model too). Evaluation dominates a CPU-scale few-shot run: a table "
+                           "that averages the last K rounds (--last-rounds K) needs only eval_rounds = K")
     max_step_ratio: float | None = opt(
         10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
         "this multiple of max(||state||, 1) (docs/security.md#aggregation); null = accept any finite step")
@@ -81,6 +89,9 @@ class BilevelFederationConfig:
     def validate(self) -> None:
         if self.clients < 1 or self.rounds < 1:
             raise ConfigError("federation.clients and federation.rounds must be >= 1")
+        if not 0 <= self.eval_rounds <= self.rounds:
+            raise ConfigError(f"federation.eval_rounds: must be in 0 .. federation.rounds ({self.rounds}), got "
+                              f"{self.eval_rounds}")
         if self.max_step_ratio is not None and not self.max_step_ratio > 0:
             raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
         if not self.capacities or any(not 0 < r <= 1 for r in self.capacities):
@@ -94,7 +105,11 @@ class BilevelFederationConfig:
 class RaboConfig:
     method: Literal["rabo", "rafbo", "fedmbo"] = opt("rabo", "rafbo is second-order free; fedmbo has every mask full")
     mask_rule: MaskRule = opt("importance", "sub-model extraction: importance, static (HeteroFL), rolling (FedRolex), "
-                                            "magnitude (FIARSE), oap (coverage-aware, after Zhou et al.), full")
+                                            "magnitude (FIARSE), oap (coverage-aware, after Zhou et al.), segment "
+                                            "(rabo.segments), full")
+    segments: tuple[int, ...] = opt((), "mask_rule segment: client i keeps the window of k units starting at unit "
+                                        "segments[i mod len] * k of every layer, for all rounds (the C_x* ablation); "
+                                        "empty = segment i")
     mask_target: Literal["both", "y"] = opt("both", "y: hyperparameter tasks, where every client needs all of x")
     mask_norm: Literal["l1", "l2"] = opt("l1", "importance score of a unit: the l1 or l2 norm of its weights")
     keep_full: tuple[str, ...] = opt((), "layers never pruned (e.g. head: outputs are the classes)")
@@ -115,6 +130,8 @@ class RaboConfig:
         for k in ("beta", "alpha", "neumann_eta", "fd_delta"):
             if getattr(self, k) <= 0:
                 raise ConfigError(f"rabo.{k}: must be > 0, got {getattr(self, k)}")
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.segments):
+            raise ConfigError(f"rabo.segments: each must be an integer >= 0, got {list(self.segments)}")
         if self.coordinates and self.method != "rafbo":
             raise ConfigError("rabo.coordinates: the coordinate-wise estimator is RAFBO's (set rabo.method: rafbo)")
         return self

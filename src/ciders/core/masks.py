@@ -21,10 +21,12 @@ Extraction rules:
   static      the first k units: a fixed leading sub-model (HeteroFL, Diao et al., ICLR 2021)
   rolling     a window of k units starting at unit (round mod out), wrapping (FedRolex, Alam et al.,
               NeurIPS 2022)
+  segment     a fixed window of k units starting at unit segment * k (mod units): client-chosen segments
+              of the model, to set the covering numbers by hand (the RABO paper's C_x* ablation, Fig. 4)
   full        everything (FedMBO = every mask full)
   magnitude   unstructured: the R fraction of each tensor's entries with the largest |w| (the
               importance-aware extraction of FIARSE, Wu et al., NeurIPS 2024; its threshold-controlled
-              biased gradient descent is not implemented)
+              biased update is the client step's, `algorithms.dist_protonet.threshold_controlled`)
   oap         coverage-first importance extraction, the joint mask design advocated by OAP (Zhou, Lan,
               Venkataramani, Ding, "Every parameter matters: ensuring the convergence of federated learning
               with dynamic heterogeneous models reduction", NeurIPS 2023, arXiv 2310.08670): convergence is
@@ -54,7 +56,7 @@ import torch
 
 from ciders.core.tensors import State
 
-RULES = ("importance", "static", "rolling", "full", "magnitude", "oap")
+RULES = ("importance", "static", "rolling", "full", "magnitude", "oap", "segment")
 
 
 def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] | None = None) -> dict[str, list[str]]:
@@ -67,9 +69,10 @@ def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] |
 
 
 def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, norm: str = "l1", *,
-               client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None) -> torch.Tensor:
+               client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None,
+               segment: int = 0) -> torch.Tensor:
     """Sorted indices of the output units (dim 0) a layer keeps. `client`, `n_clients`, `capacities` (every
-    client's ratio, `capacities[client] == ratio`) are read by the `oap` rule only."""
+    client's ratio, `capacities[client] == ratio`) are read by the `oap` rule only, `segment` by `segment`."""
     if rule not in RULES:
         raise ValueError(f"mask rule must be one of {', '.join(RULES)}, got {rule!r}")
     if not 0 < ratio <= 1:
@@ -82,6 +85,10 @@ def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, n
         return torch.arange(k)
     if rule == "rolling":
         return torch.sort((torch.arange(k) + round_) % n).values
+    if rule == "segment":
+        if isinstance(segment, bool) or not isinstance(segment, int) or segment < 0:
+            raise ValueError(f"segment must be an integer >= 0, got {segment!r}")
+        return torch.sort((torch.arange(k) + segment * k) % n).values
     w = weight.detach().reshape(n, -1).float()
     score = w.abs().sum(1) if norm == "l1" else w.pow(2).sum(1)
     # stable ordering: ties go to the lower index, so every party computes the same mask
@@ -152,11 +159,12 @@ def layer_sizes(params: Mapping[str, torch.Tensor], units: Units) -> dict[str, t
 def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str = "importance", *,
                      round_: int = 0, norm: str = "l1", groups: Mapping[str, str] | None = None,
                      units: Units | None = None, keep_full: Sequence[str] = (), full_layers: Sequence[str] = (),
-                     client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None) -> State:
+                     client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None,
+                     segment: int = 0) -> State:
     """0/1 masks (the parameters' dtype and shape) of the sub-model keeping fraction `ratio` of every layer's
     units: parameter p keeps entry [r, c, ...] iff unit r of its rows layer and unit c of its cols layer are
     kept (`units`: see the module docstring; default `output_units(params, groups)`). Layers in `keep_full`
-    or `full_layers` keep every unit. `client`, `n_clients`, `capacities`: see `kept_units` (`oap`)."""
+    or `full_layers` keep every unit. `client`, `n_clients`, `capacities`, `segment`: see `kept_units`."""
     if rule == "magnitude":
         return {n: _magnitude_mask(p, ratio) if not any(n.startswith(k + ".") or n == k for k in keep_full)
                 else torch.ones_like(p) for n, p in params.items()}
@@ -167,7 +175,7 @@ def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str
             keep[layer] = torch.arange(size)
         else:
             keep[layer] = kept_units(params[lead], ratio, rule, round_, norm, client=client, n_clients=n_clients,
-                                     capacities=capacities)
+                                     capacities=capacities, segment=segment)
     masks: State = {}
     for n, p in params.items():
         m = torch.ones_like(p)

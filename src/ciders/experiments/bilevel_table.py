@@ -1,8 +1,9 @@
 """`ciders bilevel CONFIG --methods ... --seeds 0,1,2 --grid task.n_way=5,20 --grid task.k_shot=1,5`: every
 method at every grid point and seed, and one table in the shape of the RABO paper's Table II (methods x
-settings, final accuracy as mean +- std over seeds) or of its scalability table (`--grid
+settings, final accuracy as the mean over seeds with its 95% t-interval) or of its scalability table (`--grid
 federation.clients=10,20,30,50`), with compute and communication relative to FedMBO at the same point and
-seed (the mean of those ratios over seeds).
+seed (the mean of those ratios over seeds), and paired contrasts of RABO / RAFBO against the sub-model
+baselines and the full-model methods (`contrasts`).
 
 Layout: OUT/<point>/seed<s>/<method>/ (one `run_bilevel` directory each). A finished run whose config is
 unchanged is reused, so an interrupted table resumes where it stopped. OUT/table.md and OUT/table.json.
@@ -16,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from ciders.eval.stats import mean_ci95
 from ciders.fileio import read_jsonl, write_json, write_text
 
 
@@ -35,9 +37,10 @@ def check_last(last) -> None:
 
 
 def _point(vals: list[tuple[float, float]]) -> dict:
-    """One table cell from per-seed (value, CI half width) pairs: mean, sample std, mean CI, the values."""
-    return {"mean": statistics.fmean(v for v, _ in vals), "std": statistics.stdev([v for v, _ in vals])
-            if len(vals) > 1 else 0.0, "ci95": statistics.fmean(c for _, c in vals), "seeds": [v for v, _ in vals]}
+    """One table cell from per-seed (value, CI half width over test episodes) pairs: mean, sample std, the 95%
+    t-interval half-width over seeds (`ci95`), the mean episode CI (`episodes_ci95`), the values."""
+    return {**mean_ci95([v for v, _ in vals]), "episodes_ci95": statistics.fmean(c for _, c in vals),
+            "seeds": [v for v, _ in vals]}
 
 
 def last_rounds_mean(evals: list[dict], k: int) -> dict:
@@ -63,6 +66,11 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
     from ciders.experiments.sweep import points
 
     check_last(last)
+    if 0 < exp.federation.eval_rounds < last:
+        from ciders.errors import ConfigError
+
+        raise ConfigError(f"--last-rounds {last} averages more rounds than are evaluated: set federation.eval_rounds "
+                          f">= {last} (or 0, every round)")
     out = Path(out)
     pts = points(exp, grid, cls=BilevelExperiment) if grid else [("default", exp)]
     for _, c in pts:  # every method must fit every point before anything runs
@@ -85,7 +93,7 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
                     cell["final_last_round"] = cell["final"]
                     cell["final"] = last_rounds_mean([r for r in recs if r["event"] == "eval"], last)
     result = {"methods": methods, "seeds": seeds, "points": [n for n, _ in pts], "last_rounds": last,
-              "rows": _rows(cells, pts, methods, seeds)}
+              "rows": _rows(cells, pts, methods, seeds), "contrasts": contrasts(cells, [n for n, _ in pts], methods, seeds)}
     write_json(out / "table.json", result)
     write_text(out / "table.md", render(result))
     return result
@@ -106,8 +114,7 @@ def _rows(cells: dict, pts, methods, seeds) -> list[dict]:
             off = [100 * cells[(name, s, m)]["final"]["official_runs_accuracy"] for s in seeds
                    if "official_runs_accuracy" in cells[(name, s, m)]["final"]]
             if len(off) == len(seeds):  # the 20 official 20-way one-shot runs (few-shot task)
-                row["points"][name]["official_runs"] = {"mean": statistics.fmean(off),
-                                                        "std": statistics.stdev(off) if len(off) > 1 else 0.0}
+                row["points"][name]["official_runs"] = mean_ci95(off)
             for s in seeds:
                 ref = cells.get((name, s, "fedmbo"))
                 for key in ratios:
@@ -135,27 +142,68 @@ def _capacity_rows(cells: dict, pts, m: str, seeds) -> list[dict]:
     return rows
 
 
+def _value(cells: dict, point: str, seed: int, method: str) -> float:
+    return _metric(cells[(point, seed, method)]["final"])[0]
+
+
+def contrasts(cells: dict, pts: list[str], methods: list[str], seeds: list[int]) -> list[dict]:
+    """Paired differences (same point, same seed: the same shards, initial weights and test episodes) of each
+    bilevel sub-model method (RABO, RAFBO) against the mean of the single-level sub-model baselines in the
+    table (the RABO paper's "+9.43% on average") and against each full-model method, per point and averaged
+    over the points; each a mean with its 95% t-interval over seeds (`eval.stats.mean_ci95`)."""
+    from ciders.algorithms.registry import REGISTRY
+
+    subs = [m for m in methods if REGISTRY[m].submodel_local]
+    full = [m for m in methods if m == "fedmbo" or (REGISTRY[m].local_update is not None and not REGISTRY[m].submodel_local)]
+    out = []
+    for a in (m for m in methods if REGISTRY[m].rabo_method in ("rabo", "rafbo")):
+        for label, group in ([("sub-model baselines (" + ", ".join(subs) + ")", subs)] if subs else []) + \
+                [(b, [b]) for b in full]:
+            diff = {p: [_value(cells, p, s, a) - statistics.fmean(_value(cells, p, s, b) for b in group) for s in seeds]
+                    for p in pts}
+            row = {"method": a, "against": label, "points": {p: mean_ci95(d) for p, d in diff.items()}}
+            row["mean_over_points"] = mean_ci95([statistics.fmean(diff[p][k] for p in pts) for k in range(len(seeds))])
+            out.append(row)
+    return out
+
+
+def signed(c: dict) -> str:
+    """'d ± h', starred when the 95% interval excludes 0."""
+    star = "*" if c["n"] > 1 and abs(c["mean"]) > c["ci95"] else ""
+    return f"{c['mean']:+.2f} ± {c['ci95']:.2f}{star}"
+
+
 def render(result: dict) -> str:
     pts = result["points"]
     head = "| method | " + " | ".join(pts) + " | C_x* (min) | op estimate / FedMBO | measured s / FedMBO " \
            "| uplink / FedMBO | downlink / FedMBO |"
     last = result.get("last_rounds", 1)
     what = f"mean of the last {last} rounds' evaluations" if last > 1 else "last round's evaluation"
-    lines = [f"Final metric in % ({what}; mean ± std over seeds {', '.join(map(str, result['seeds']))}; in brackets "
-             "the mean 95% CI over test episodes). Ratios: mean over points and seeds of method / FedMBO.", "",
+    seeds = result["seeds"]
+    lines = [f"Final metric in % ({what}; mean over seeds {', '.join(map(str, seeds))} ± the 95% t-interval "
+             f"half-width over seeds, t_0.975,{max(len(seeds) - 1, 1)} s / sqrt({len(seeds)}); in brackets the sample "
+             "std over seeds). Ratios: mean over points and seeds of method / FedMBO.", "",
              head, "|---" * (len(pts) + 6) + "|"]
     for r in result["rows"]:
-        cells = [f"{c['mean']:.2f} ± {c['std']:.2f} [±{c['ci95']:.2f}]" for c in (r["points"][p] for p in pts)]
+        cells = [f"{c['mean']:.2f} ± {c['ci95']:.2f} [sd {c['std']:.2f}]" for c in (r["points"][p] for p in pts)]
         rel = [f"{v:.3f}" if v is not None else "-" for v in r["relative_to_fedmbo"].values()] or ["-"] * 4
         lines.append(f"| {r['method']} | " + " | ".join(cells + [str(r.get("covering_x_min", "-"))] + rel) + " |")
     if any("capacity" in r for r in result["rows"]):
         lines += ["", "Rows `method (R = r)`: the final global model's sub-model at capacity r, as a client of that "
                   "capacity holds it (its extraction rule, the same test episodes)."]
     if all("official_runs" in r["points"][p] for r in result["rows"] if "capacity" not in r for p in pts):
-        lines += ["", "The same feature extractors on the 20 official 20-way one-shot runs (Lake et al.), accuracy in %:",
+        lines += ["", "The same feature extractors on the 20 official 20-way one-shot runs (Lake et al.), accuracy in % "
+                  "(mean ± 95% t-interval over seeds):",
                   "", "| method | " + " | ".join(pts) + " |", "|---" * (len(pts) + 1) + "|"]
         for r in (r for r in result["rows"] if "capacity" not in r):
-            cells = [f"{r['points'][p]['official_runs']['mean']:.2f} ± {r['points'][p]['official_runs']['std']:.2f}"
+            cells = [f"{r['points'][p]['official_runs']['mean']:.2f} ± {r['points'][p]['official_runs']['ci95']:.2f}"
                      for p in pts]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+    if result.get("contrasts"):
+        lines += ["", "Paired differences in points of % (same seed: the same shards, initial weights and test episodes), "
+                  "mean ± 95% t-interval over seeds; * = the interval excludes 0:", "",
+                  "| method | minus | " + " | ".join(pts) + " | mean over points |", "|---" * (len(pts) + 3) + "|"]
+        for c in result["contrasts"]:
+            lines.append(f"| {c['method']} | {c['against']} | " + " | ".join(
+                signed(c["points"][p]) for p in pts) + f" | {signed(c['mean_over_points'])} |")
     return "\n".join(lines) + "\n"

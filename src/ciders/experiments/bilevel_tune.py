@@ -9,7 +9,8 @@ reported on the test split (docs/rabo.md#fair-step-size-tuning).
      (`tune_balanced_accuracy`: `task.tune_per_class` images per class, disjoint from validation and test), averaged
      over the last K rounds. The best point wins; ties go to the first point in grid order.
   3. The winner runs at every seed of `--seeds`. The final figure is the test metric averaged over the last K
-     rounds, mean ± std over the seeds. A seed equal to the tuning seed reuses the tuning run.
+     rounds, the mean over the seeds with its 95% t-interval; paired contrasts (same seed) against untuned FedAvg
+     and FedMBO, and compute and bytes relative to FedMBO. A seed equal to the tuning seed reuses the tuning run.
 
 Layout: OUT/tune/<method>/<point>/<method>/ and OUT/final/seed<s>/<method>/ (`run_bilevel` directories, reused
 when finished with the same config); OUT/tune.md and OUT/tune.json.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ciders.errors import ConfigError
+from ciders.eval.stats import mean_ci95
 from ciders.fileio import read_jsonl, write_json, write_text
 
 TUNE_METRIC, TEST_METRIC = "tune_balanced_accuracy", "balanced_accuracy"
@@ -87,31 +89,70 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
             scores.append(_score(_run(c, out / "tune" / m / name, m, log, engine), TUNE_METRIC, last))
         best = max(range(len(scores)), key=lambda j: (scores[j], -j))
         name, chosen = pts[m][best]
-        finals = []
+        finals, costs = [], []
         for s in seeds:
             d = out / "tune" / m / name if s == exp.seed else out / "final" / f"seed{s}"
             log(f"== final {m} ({name}) seed {s}")
-            finals.append(100 * _score(_run(replace(chosen, seed=s), d, m, log, engine), TEST_METRIC, last))
+            d = _run(replace(chosen, seed=s), d, m, log, engine)
+            finals.append(100 * _score(d, TEST_METRIC, last))
+            costs.append(_costs(d))
         rows.append({"method": m, "budget": len(scores), "chosen": name, "tune_scores": dict(
             zip((n for n, _ in pts[m]), (100 * v for v in scores))), "tune_best": 100 * scores[best],
-            "test": {"mean": statistics.fmean(finals), "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                     "seeds": finals}})
-    result = {"seeds": seeds, "tuning_seed": exp.seed, "last_rounds": last, "tune": tune, "rows": rows}
+            "test": {**mean_ci95(finals), "seeds": finals}, "costs": costs})
+    result = {"seeds": seeds, "tuning_seed": exp.seed, "last_rounds": last, "tune": tune, "rows": rows,
+              "contrasts": contrasts(rows), "relative_to_fedmbo": relative_costs(rows)}
     write_json(out / "tune.json", result)
     write_text(out / "tune.md", render(result))
     return result
 
 
+COST_KEYS = ("op_estimate", "seconds", "bytes_up", "bytes_down")
+
+
+def _costs(run: Path) -> dict:
+    import json
+
+    summary = json.loads((run / "summary.json").read_text())
+    return {k: float(summary[k]) for k in COST_KEYS}
+
+
+def contrasts(rows: list[dict]) -> list[dict]:
+    """Each method's test accuracy minus untuned FedAvg's and FedMBO's at the same seed (the same data,
+    clients and initial weights), mean ± 95% t-interval over the seeds."""
+    by = {r["method"]: r["test"]["seeds"] for r in rows}
+    return [{"method": m, "against": b, **mean_ci95([x - y for x, y in zip(by[m], by[b])])}
+            for b in ("fedavg-notune", "fedmbo") if b in by for m in by if m != b]
+
+
+def relative_costs(rows: list[dict]) -> dict:
+    """{method: {cost: mean over seeds of method / FedMBO at the same seed}} (empty without FedMBO)."""
+    ref = next((r["costs"] for r in rows if r["method"] == "fedmbo"), None)
+    if ref is None:
+        return {}
+    return {r["method"]: {k: statistics.fmean(c[k] / f[k] for c, f in zip(r["costs"], ref)) if all(f[k] for f in ref)
+                          else None for k in COST_KEYS} for r in rows}
+
+
 def render(result: dict) -> str:
     last = result["last_rounds"]
+    rel = result.get("relative_to_fedmbo") or {}
     lines = [f"Step sizes tuned on the tuning split (seed {result['tuning_seed']}), then balanced test accuracy in % "
-             f"(mean of the last {last} rounds' evaluations; mean ± std over seeds "
-             f"{', '.join(map(str, result['seeds']))}).", "",
-             "| method | budget (grid points) | chosen | tuning-split accuracy | test accuracy |", "|---|---|---|---|---|"]
+             f"(mean of the last {last} rounds' evaluations; mean over seeds {', '.join(map(str, result['seeds']))} "
+             "± the 95% t-interval half-width, [sd]). Costs: mean over seeds of method / FedMBO.", "",
+             "| method | budget (grid points) | chosen | tuning-split accuracy | test accuracy | op estimate | seconds "
+             "| uplink | downlink |", "|---" * 9 + "|"]
     for r in result["rows"]:
         t = r["test"]
+        c = [f"{v:.3f}" if v is not None else "-" for v in rel.get(r["method"], {}).values()] or ["-"] * 4
         lines.append(f"| {r['method']} | {r['budget']} | {r['chosen']} | {r['tune_best']:.2f} | "
-                     f"{t['mean']:.2f} ± {t['std']:.2f} |")
+                     f"{t['mean']:.2f} ± {t.get('ci95', 0.0):.2f} [sd {t['std']:.2f}] | " + " | ".join(c) + " |")
+    if result.get("contrasts"):
+        lines += ["", "Paired differences in points of % (same seed), mean ± 95% t-interval; * = excludes 0:", "",
+                  "| method | minus | difference |", "|---|---|---|"]
+        from ciders.experiments.bilevel_table import signed
+
+        for d in result["contrasts"]:
+            lines.append(f"| {d['method']} | {d['against']} | {signed(d)} |")
     budgets = {r["budget"] for r in result["rows"]}
     if len(budgets) > 1:
         each = ", ".join(f"{r['method']} {r['budget']}" for r in result["rows"])

@@ -65,8 +65,10 @@ class BilevelRounds:
         self.full = {"down": full_x + 2 * full_y, "up": full_y + full_x}  # FedMBO's payloads per client and round
         committed = start_run(run, exp, resume, log)
         if committed is None:
-            self.ev = server.evaluate()
-            append_jsonl(run.metrics, {"event": "eval", "round": -1, **self.ev})
+            self.ev = {}
+            if not exp.federation.eval_rounds:  # the initial model (the learning curve's start)
+                self.ev = server.evaluate()
+                append_jsonl(run.metrics, {"event": "eval", "round": -1, **self.ev})
             self.totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
         else:
             server.state, self.totals, self.ev = _load_checkpoint(run, committed, s0)
@@ -133,13 +135,17 @@ class BilevelRounds:
     def commit(self, q: int, before_checkpoint: Callable[[], None] | None = None) -> None:
         rnd = {"event": "round", "round": q, **self.server.finish(), "full_bytes_per_client": self.full}
         append_jsonl(self.run.metrics, rnd)
-        self.ev = self.server.evaluate()
-        append_jsonl(self.run.metrics, {"event": "eval", "round": q, **self.ev})
+        n_eval = self.exp.federation.eval_rounds
+        evaluated = not n_eval or q >= self.exp.federation.rounds - n_eval  # federation.eval_rounds: the last N
+        if evaluated:
+            self.ev = self.server.evaluate()
+            append_jsonl(self.run.metrics, {"event": "eval", "round": q, **self.ev})
         if before_checkpoint is not None:
             before_checkpoint()
         s = self.server.state  # round q committed: checkpoints/round_<n>/ then the LATEST pointer
         self.run.save_checkpoint(q, _flat(s), {"round": s.round, "totals": self.totals, "eval": self.ev}, keep=2)
-        self.log(f"round {q + 1}/{self.exp.federation.rounds}: C_x* {rnd['covering_x']} C_y* {rnd['covering_y']} {self.ev}")
+        self.log(f"round {q + 1}/{self.exp.federation.rounds}: C_x* {rnd['covering_x']} C_y* {rnd['covering_y']} "
+                 f"{self.ev if evaluated else '(not evaluated: federation.eval_rounds)'}")
 
     def close(self) -> dict:
         s = self.server.state

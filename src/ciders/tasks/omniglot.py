@@ -48,6 +48,16 @@ def load_characters(zip_path: str | Path, size: int = 28) -> dict[str, torch.Ten
     return {c: torch.stack([_image(b, size) for _, b in sorted(files)]) for c, files in sorted(groups.items())}
 
 
+def rotations(pool: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    """Each character at k rotations by multiples of 90 degrees, every rotation a class of its own: the standard
+    Omniglot augmentation of few-shot work (Santoro et al. 2016; Vinyals et al. 2016; Snell et al. 2017), which
+    multiplies the classes by k. Rotation r > 0 of "<a>/<c>" is "<a>/<c>@rot<90 r>"; k = 1 is the pool itself."""
+    if k not in (1, 2, 3, 4):
+        raise CidersError(f"rotations must be 1, 2, 3 or 4 (multiples of 90 degrees), got {k}")
+    return {f"{c}@rot{90 * r}" if r else c: torch.rot90(v, r, dims=(-2, -1)) if r else v
+            for c, v in pool.items() for r in range(k)}
+
+
 def shard(characters: list[str], n_clients: int, seed: int, size: int = 0) -> list[list[str]]:
     """Disjoint, near-equal shards of characters (a seeded permutation dealt round-robin); with `size` > 0,
     each client instead draws its own `size` characters (seeded per client; shards may overlap: for more

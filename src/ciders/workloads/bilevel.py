@@ -256,6 +256,7 @@ def build(cfg):
         pool = om.load_characters(root / "images_background_small1.zip")
         held = om.load_characters(root / "images_background_small2.zip")
         held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
+        pool = om.rotations(pool, t.rotations)  # training classes only: evaluation stays on unrotated characters
         return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
                            eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
                            shard_size=t.shard_size, device=dev,
