@@ -161,8 +161,9 @@ def contrasts(cells: dict, pts: list[str], methods: list[str], seeds: list[int])
                 [(b, [b]) for b in full]:
             diff = {p: [_value(cells, p, s, a) - statistics.fmean(_value(cells, p, s, b) for b in group) for s in seeds]
                     for p in pts}
-            row = {"method": a, "against": label, "points": {p: mean_ci95(d) for p, d in diff.items()}}
-            row["mean_over_points"] = mean_ci95([statistics.fmean(diff[p][k] for p in pts) for k in range(len(seeds))])
+            row = {"method": a, "against": label, "points": {p: {**mean_ci95(d), "seeds": d} for p, d in diff.items()}}
+            avg = [statistics.fmean(diff[p][k] for p in pts) for k in range(len(seeds))]
+            row["mean_over_points"] = {**mean_ci95(avg), "seeds": avg}
             out.append(row)
     return out
 
