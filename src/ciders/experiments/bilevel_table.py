@@ -154,7 +154,7 @@ def contrasts(cells: dict, pts: list[str], methods: list[str], seeds: list[int])
     from ciders.algorithms.registry import REGISTRY
 
     subs = [m for m in methods if REGISTRY[m].submodel_local]
-    full = [m for m in methods if m == "fedmbo" or (REGISTRY[m].local_update is not None and not REGISTRY[m].submodel_local)]
+    full = [m for m in methods if m == "fedmbo" or (REGISTRY[m].local_update is not None and m not in subs)]
     out = []
     for a in (m for m in methods if REGISTRY[m].rabo_method in ("rabo", "rafbo")):
         for label, group in ([("sub-model baselines (" + ", ".join(subs) + ")", subs)] if subs else []) + \
