@@ -97,6 +97,11 @@ class BilevelFederationConfig:
         if not self.capacities or any(not 0 < r <= 1 for r in self.capacities):
             raise ConfigError(f"federation.capacities: each must be in (0, 1], got {list(self.capacities)}")
 
+    def evaluates(self, q: int) -> bool:
+        """Whether the global model is evaluated after round q (q = -1: the initial model): every round, or
+        only the last `eval_rounds`."""
+        return not self.eval_rounds or q >= self.rounds - self.eval_rounds
+
     def client_capacities(self) -> list[float]:
         return [self.capacities[i % len(self.capacities)] for i in range(self.clients)]
 

@@ -20,6 +20,7 @@ from typing import Callable
 from ciders.eval.stats import mean_ci95
 from ciders.fileio import read_jsonl, write_json, write_text
 
+COST_KEYS = ("op_estimate", "seconds", "bytes_up", "bytes_down")  # a run summary's costs, reported over FedMBO's
 
 def _metric(final: dict) -> tuple[float, float]:
     """(value in %, its 95% CI half width over test episodes or 0)."""
@@ -108,7 +109,7 @@ def _rows(cells: dict, pts, methods, seeds) -> list[dict]:
     rows = []
     for m in methods:
         row = {"method": m, "points": {}}
-        ratios: dict[str, list[float]] = {"op_estimate": [], "seconds": [], "bytes_up": [], "bytes_down": []}
+        ratios: dict[str, list[float]] = {k: [] for k in COST_KEYS}
         for name, _ in pts:
             row["points"][name] = _point([_metric(cells[(name, s, m)]["final"]) for s in seeds])
             off = [100 * cells[(name, s, m)]["final"]["official_runs_accuracy"] for s in seeds

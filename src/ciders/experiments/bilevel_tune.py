@@ -25,6 +25,7 @@ from typing import Callable
 
 from ciders.errors import ConfigError
 from ciders.eval.stats import mean_ci95
+from ciders.experiments.bilevel_table import COST_KEYS, signed
 from ciders.fileio import read_jsonl, write_json, write_text
 
 TUNE_METRIC, TEST_METRIC = "tune_balanced_accuracy", "balanced_accuracy"
@@ -106,9 +107,6 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
     return result
 
 
-COST_KEYS = ("op_estimate", "seconds", "bytes_up", "bytes_down")
-
-
 def _costs(run: Path) -> dict:
     import json
 
@@ -149,8 +147,6 @@ def render(result: dict) -> str:
     if result.get("contrasts"):
         lines += ["", "Paired differences in points of % (same seed), mean ± 95% t-interval; * = excludes 0:", "",
                   "| method | minus | difference |", "|---|---|---|"]
-        from ciders.experiments.bilevel_table import signed
-
         for d in result["contrasts"]:
             lines.append(f"| {d['method']} | {d['against']} | {signed(d)} |")
     budgets = {r["budget"] for r in result["rows"]}

@@ -66,7 +66,7 @@ class BilevelRounds:
         committed = start_run(run, exp, resume, log)
         if committed is None:
             self.ev = {}
-            if not exp.federation.eval_rounds:  # the initial model (the learning curve's start)
+            if exp.federation.evaluates(-1):  # the initial model (the learning curve's start)
                 self.ev = server.evaluate()
                 append_jsonl(run.metrics, {"event": "eval", "round": -1, **self.ev})
             self.totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
@@ -135,8 +135,7 @@ class BilevelRounds:
     def commit(self, q: int, before_checkpoint: Callable[[], None] | None = None) -> None:
         rnd = {"event": "round", "round": q, **self.server.finish(), "full_bytes_per_client": self.full}
         append_jsonl(self.run.metrics, rnd)
-        n_eval = self.exp.federation.eval_rounds
-        evaluated = not n_eval or q >= self.exp.federation.rounds - n_eval  # federation.eval_rounds: the last N
+        evaluated = self.exp.federation.evaluates(q)
         if evaluated:
             self.ev = self.server.evaluate()
             append_jsonl(self.run.metrics, {"event": "eval", "round": q, **self.ev})
