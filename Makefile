@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fd_accuracy.py
 	$(BIN)/python benchmarks/hypergrad_cost.py
 	$(BIN)/python benchmarks/submodel_cost.py
+	$(BIN)/python benchmarks/edge_download.py
 
 # The CPU-scale Protocol A and B comparisons of docs/results-cpu.md (about 2 hours on 2 cores), with reports.
 cpu-protocols: $(STAMP)

@@ -46,6 +46,9 @@ def test_plan_counts_equal_the_injected_adapters(name):
     lora = {id(q) for q in list(d.student_params().values()) + list(d.messenger_params().values())}
     own = {id(q) for q in d.adapemu.parameters()} - lora
     assert p.edge_base_params == sum(q.numel() for q in d.adapemu.parameters() if id(q) in own)
+    # the bfloat16 first download (federation.emulator_dtype) is what the server would send
+    sent = sum(v.numel() * 2 for v in d.emulator_base_state().values()) / 2**20
+    assert p.edge_base_mib_16 == pytest.approx(sent, rel=1e-12) and p.edge_base_mib == pytest.approx(2 * sent)
 
 
 def test_cli_plan_json_and_text(capsys):

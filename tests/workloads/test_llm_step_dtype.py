@@ -20,6 +20,6 @@ BASE = ["model.name=tiny-qwen2", "model.device=cpu", "decomposition.messenger_la
 def test_the_client_loss_dtype_follows_the_config(tmp_path, dtype, metagrad, hvp, want):
     cfg = load_config(None, BASE + [f"model.dtype={dtype}", f"algorithm.metagrad={metagrad}", f"algorithm.hvp={hvp}"])
     logs = []
-    task = LLMTask(cfg, tmp_path, log=logs.append, role="client")
+    task = LLMTask(cfg, tmp_path, log=logs.append)
     assert task.loss.compute_dtype == want
     assert any("messenger evaluations in torch.float32" in s for s in logs) == (want is not None)

@@ -321,9 +321,11 @@ class EvalConfig:
 @dataclass(frozen=True)
 class FederationConfig:
     clients: int = opt(3, "number of registered clients N")
-    partition: Literal["iid", "natural", "dirichlet", "files"] = opt(
+    partition: Literal["iid", "natural", "dirichlet", "files", "nodes"] = opt(
         "iid", "how client data is dealt: iid = a seeded even split; natural = one label (e.g. domain) per "
-        "client; dirichlet = over the label column; files = custom task, data.client_files[i] is client i")
+        "client; dirichlet = over the label column; files = custom task, data.client_files[i] is client i; "
+        "nodes = each SuperNode reads its own data-file and the server holds public and eval data only "
+        "(Flower deployment; docs/flower.md#each-node-brings-its-own-data)")
     dirichlet_alpha: float = opt(0.5, "Dirichlet concentration (Protocol C: 0.1 and 0.4); smaller = more skewed")
     holdout: float = opt(0.2, "fraction of each client's examples held out for its personalized evaluation")
     per_round: int | None = opt(None, "clients sampled per round (partial participation); null = all")
@@ -333,6 +335,10 @@ class FederationConfig:
     checkpoint_keep: int = opt(2, "checkpoints kept in the run directory")
     store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
     tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`)")
+    emulator_dtype: Literal["model", "float32", "bfloat16", "float16"] = opt(
+        "model", "Flower engines: dtype of the emulator's base weights in a client's first download: model = as the server holds "
+        "them (lossless); bfloat16 halves an fp32 download, rounding B_L and P_M (measured in "
+        "benchmarks/edge_download.py; docs/edge.md#the-first-download-in-bfloat16)")
     max_step_ratio: float | None = opt(
         10.0, "reject an upload whose implied local step ||w - x_K|| (Eq. 11 x K eta_bar) exceeds this multiple "
         "of max(||w||, 1) (docs/security.md#aggregation); null = accept any finite step")
@@ -443,8 +449,11 @@ class ExperimentConfig:
         if data.task == "custom" and fed.partition in ("natural", "dirichlet"):
             raise ConfigError(f"federation.partition={fed.partition} needs a labelled named task (data.task: dolly, "
                               "domains or math)")
-        if data.task != "custom" and fed.partition == "files":
-            raise ConfigError("federation.partition=files is for data.task=custom")
+        if data.task != "custom" and fed.partition in ("files", "nodes"):
+            raise ConfigError(f"federation.partition={fed.partition} is for data.task=custom")
+        if fed.partition == "nodes" and self.algorithm.weighting != "uniform":
+            raise ConfigError("federation.partition=nodes: the server cannot check how much data a node holds, so "
+                              "p_i cannot follow |D_i|; set algorithm.weighting=uniform")
         if fed.partition == "files" and len(data.client_files) != fed.clients:
             raise ConfigError(f"federation.partition=files needs one data.client_files entry per client "
                               f"({fed.clients}), got {len(data.client_files)}")

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig
+from ciders.errors import ConfigError
 from ciders.federation.exchange import Exchange, Reply
 from ciders.federation.inprocess import Faults, InProcess, SimulatedCrash
 from ciders.fileio import locked
@@ -116,6 +117,9 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
 def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> dict:
     from ciders.federation.rounds import Coordinator, client_report, client_round
 
+    if exchange is None and cfg.federation.partition == "nodes":
+        raise ConfigError("federation.partition=nodes: the clients' data lives on their SuperNodes (data-file); run "
+                          "it on a Flower deployment (`ciders flower launch` / `loopback`), not in-process")
     co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
     cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()

@@ -25,7 +25,9 @@ CIDERS = {"client": "str", "round": "count", "resync_request": "bool", "gamma": 
           "loss": "number", "c_norm": "number", "c_i_norm": "number", "dc_norm": "number", "delta_norm": "number",
           "corr_norm": "number", "g_mean_norm": "number", "step_mean_norm": "number",
           "e_rae": "number", "s_dr": "number", "s_ppr": "number", "r_fd_small": "count", "r_fd_moderate": "count",
-          "r_fd_large": "count", "steps": _STEP}
+          "r_fd_large": "count", "steps": _STEP,
+          # an edge client's own resources (Flower): its process's peak resident memory, its state's bytes on disk
+          "peak_rss_mib": "number", "disk_mib": "number"}
 BILEVEL = {"calls": "count", "seconds": "number", "inner_loss": "number", "outer_loss": "number",
            "solver_iters": "count", "solver_residual": "number", "solver_breakdown": "bool", "loss": "number",
            "support_loss": "number", "train_accuracy": "number", "steps": "count"}

@@ -349,6 +349,8 @@ class Coordinator:
             self.tb.close()
         self.task.finalize(self.run.root, self.state.server, self.state.extra)
         summary = summarize(self.run, self.cfg, once=self.static)
+        if hasattr(self.task, "model_sizes"):
+            summary["model_mib"] = self.task.model_sizes()
         write_json(self.run.root / "summary.json", summary)
         return summary
 

@@ -153,6 +153,12 @@ def summarize(run: RunDir, cfg: ExperimentConfig, once: set[str] | frozenset = f
                 acc[k] = acc.get(k, 0) + v / MIB
     n_clients = max(len({c for r in rounds for c in r["clients"]}), 1)
     down -= sum(first.values()) * MIB  # per client-round: the recurring traffic only
+    res: dict[str, dict] = {}  # what edge clients report about themselves (Flower); a claim, shown as such
+    for r in rows:
+        if r["event"] == "client" and "peak_rss_mib" in r:
+            c = res.setdefault(r["client"], {"peak_rss_mib": 0.0, "disk_mib": 0.0})
+            c["peak_rss_mib"] = max(c["peak_rss_mib"], float(r["peak_rss_mib"]))
+            c["disk_mib"] = float(r.get("disk_mib", c["disk_mib"]))
     return {
         "rounds": len(rounds), "client_rounds": n_cr,
         "loss_first_round": rounds[0]["loss"] if rounds else None, "loss_last_round": rounds[-1]["loss"] if rounds else None,
@@ -162,4 +168,5 @@ def summarize(run: RunDir, cfg: ExperimentConfig, once: set[str] | frozenset = f
                 "by_component": by_comp,
                 "first_contact": {k: v / n_clients for k, v in first.items()},  # MiB per client, sent once
                 "first_contact_total": first},
+        **({"client_resources": res} if res else {}),
     }

@@ -58,7 +58,7 @@ def _tied_copy(layer: nn.Module, new_idx: int, config_swap: dict) -> nn.Module:
     return new
 
 
-def _composite(base: nn.Module, source_idx: list[int], src_layers: nn.ModuleList) -> nn.Module:
+def composite(base: nn.Module, source_idx: list[int], src_layers: nn.ModuleList) -> nn.Module:
     """A model of base's class whose decoder stack is tied copies of `src_layers[source_idx]`
     (renumbered 0..len-1) and whose every other module IS base's (embeddings, norm, rotary, head).
     Its config is a deep copy with num_hidden_layers / layer_types matching the stack."""
@@ -248,11 +248,11 @@ def decompose(
     if messenger_lora is not None:
         ad.inject_lora(model, messenger_lora, msg_idx, MESSENGER, seed=derive_seed(seed, "messenger-lora-init"))
     n_s = split.student_layers
-    adapemu = _composite(model, list(split.student_indices) + msg_idx, layers)
+    adapemu = composite(model, list(split.student_indices) + msg_idx, layers)
     if student_lora is not None:
         ad.inject_lora(adapemu, student_lora, range(n_s), STUDENT, seed=derive_seed(seed, "student-lora-init"))
-    messenger_top = _composite(model, msg_idx, layers)
-    student_stack = _composite(adapemu, list(range(n_s)), adapemu.model.layers)
+    messenger_top = composite(model, msg_idx, layers)
+    student_stack = composite(adapemu, list(range(n_s)), adapemu.model.layers)
     student_stack.config.tie_last_hidden_states = False  # hidden_states[-1] = raw B_L output, not normed
     for m in (model, adapemu, messenger_top, student_stack):
         m.eval()

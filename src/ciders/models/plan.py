@@ -44,6 +44,7 @@ class Plan:
     edge_base_params: int
     edge_base_mib: float
     edge_base_dtype: str
+    edge_base_mib_16: float  # the same in bfloat16 / float16 (federation.emulator_dtype)
     downlink_mib: dict = field(default_factory=dict)
     uplink_mib: dict = field(default_factory=dict)
 
@@ -142,6 +143,7 @@ def make_plan(
         messenger_lora_params=mp, messenger_lora_tensors=mt, student_lora_params=sp, student_lora_tensors=st,
         messenger_lora_mib=msg_mib, student_lora_mib=stu_mib, consensus_mib=msg_mib,
         edge_base_params=edge, edge_base_mib=_mib(edge, nbytes), edge_base_dtype=str(dtype).replace("torch.", ""),
+        edge_base_mib_16=_mib(edge, 2),
         downlink_mib=down, uplink_mib=up,
     )
 
@@ -158,7 +160,8 @@ def render(p: Plan) -> str:
         f"  {'full backbone B_F':<{w}}layers 0..{p.teacher_layers - 1}  ({p.teacher_layers} layers, frozen teacher)",
         f"  {'learnable backbone B_L':<{w}}{p.student_layers} layers of B_F at [{_ranges(p.student_indices)}]",
         f"  {'AdapEmu (edge model)':<{w}}{p.student_layers + p.messenger_layers} layers; base weights "
-        f"{p.edge_base_params:,} params = {p.edge_base_mib:.1f} MiB ({p.edge_base_dtype}), sent once",
+        f"{p.edge_base_params:,} params = {p.edge_base_mib:.1f} MiB ({p.edge_base_dtype}), sent once"
+        + (f" ({p.edge_base_mib_16:.1f} MiB with federation.emulator_dtype: bfloat16)" if p.edge_base_mib != p.edge_base_mib_16 else ""),
         f"  LoRA on {', '.join(p.lora_targets)}",
         f"  {'messenger LoRA':<{w}}{p.messenger_lora_params:>12,} params  {p.messenger_lora_tensors:>4} tensors  {p.messenger_lora_mib:8.2f} MiB  (r={p.messenger_lora_r}, FP32)",
         f"  {'student LoRA':<{w}}{p.student_lora_params:>12,} params  {p.student_lora_tensors:>4} tensors  {p.student_lora_mib:8.2f} MiB  (r={p.student_lora_r}, FP32)",

@@ -2,7 +2,8 @@
 the client partition, and each client's held-out share, as tokenized features, plus a record of the
 split for the run directory (docs/method.md#experiments-and-metrics).
 
-data.task = custom: explicit files (public / eval / clients or one file per client).
+data.task = custom: explicit files (public / eval / clients or one file per client), or (partition nodes)
+public and eval only: each client reads its own file on its node (`workloads.edge`).
 data.task = a named task (gsm8k, dolly, code, domains, math): the task's pool split by seed into public,
 client and (unless the task has an official test split) evaluation parts, stratified per label with
 data.per_label; the client part partitioned iid / natural / dirichlet through flwr-datasets.
@@ -66,6 +67,8 @@ def _load_custom(cfg: ExperimentConfig, reports: dict[str, DataReport]) -> _Part
     from ciders.tasks.text import read_records
 
     ev_raw = read_records(resolve(dc.eval))[: len(ev)]
+    if fed.partition == "nodes":  # every client's data stays on its node
+        return _Parts(pub, ev, ev_raw, [], [], [], {"kind": "nodes"})
     if fed.partition == "iid":
         pool, reports["clients"] = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
         perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "data-split")))
@@ -150,7 +153,7 @@ def _load_named(cfg: ExperimentConfig, reports: dict[str, DataReport]) -> _Parts
     return _Parts(pub, ev, ev_raw, eval_labels, shards, natural, split_info)
 
 
-def _tokenize_clients(shards: list[list[Example]], natural: list[str], tok: Any, ml: int,
+def tokenize_clients(shards: list[list[Example]], natural: list[str], tok: Any, ml: int,
                       holdout: float) -> tuple[dict, dict, dict, dict]:
     """Each shard's held-out head and training rest as features, with per-client counts for the record."""
     train, heldout, part = {}, {}, {}
@@ -189,7 +192,11 @@ def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
     tok_reports = {"public": DataReport("public tokenization"), "eval": DataReport("eval tokenization")}
     public = tokenize(parts.pub, tok, ml, tok_reports["public"])
     global_eval = tokenize(parts.ev, tok, ml, tok_reports["eval"])
-    train, heldout, part, client_label = _tokenize_clients(parts.shards, parts.natural, tok, ml, fed.holdout)
+    if fed.partition == "nodes":  # known to the server by id only
+        train, heldout, part, client_label = ({f"client{i}": [] for i in range(fed.clients)},
+                                              {f"client{i}": [] for i in range(fed.clients)}, {}, {})
+    else:
+        train, heldout, part, client_label = tokenize_clients(parts.shards, parts.natural, tok, ml, fed.holdout)
     if not public or not global_eval:
         raise CidersError("public or evaluation data is empty after tokenization")
     eval_by_label = _eval_by_label(parts.ev, parts.eval_labels, tok, ml)

@@ -16,24 +16,27 @@ from ciders.fileio import write_json
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.workloads import evaluation
+from ciders.workloads.client_side import ClientSide
 from ciders.workloads.prealign import build
-from ciders.runtime import derive_seed
 from ciders.tasks import federated
 from ciders.tasks.text import batches as iter_batches
-from ciders.tasks.text import collate
 
 
-class LLMTask:
-    """`role="client"` builds only what a client needs (model, its data, the messenger loss): no teacher
-    cache, no TAKD (a Flower ClientApp)."""
+class LLMTask(ClientSide):
+    """The server side (the full model, public data, TAKD, evaluation), which in-process is also every
+    client's side (`ClientSide`): in-process clients share the server's model. A Flower client is an
+    `EdgeTask` (`workloads.edge`), which holds AdapEmu only."""
 
-    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print, role: str = "server",
-                 prealign_cache: str | Path | None = None):
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print,
+                 prealign_cache: str | Path | None = None, edge_dtype: torch.dtype | None = None):
         from ciders.algorithms import configure
 
         cfg = configure(cfg)  # a baseline's TAKD settings (FedBiOT, FedOT) live in its config
         self.cfg, self.log = cfg, log
         self.prealign_cache = None if prealign_cache is None else Path(prealign_cache)
+        # Flower: the dtype of the emulator's first download (None: as held). In-process clients share the
+        # server's model, so nothing is cast for them.
+        self.edge_dtype = edge_dtype
         self.d, self.tok = build(cfg)
         self.pad = self.tok.pad_token_id
         s = self.d.split
@@ -44,7 +47,7 @@ class LLMTask:
             + ", ".join(f"{c} {len(self.train[c])}+{len(self.heldout[c])}" for c in sorted(self.train)) + " (train+heldout)")
         tc = cfg.takd
         self.cache = None
-        if tc.teacher_cache != "off" and role == "server":
+        if tc.teacher_cache != "off":
             bar = tqdm(total=len(self.public), desc="teacher cache B_F(x)", unit="ex", leave=False)
             self.cache = TeacherCache.build(self.d, self.public, self.pad, batch_size=cfg.data.eval_batch_size,
                                             mode=tc.teacher_cache, directory=Path(out) / "teacher_cache",
@@ -66,12 +69,6 @@ class LLMTask:
         write_json(out / "data.json", self.data.info)
 
     # ------------------------------------------------------------------ task protocol
-    def clients(self) -> dict[str, int]:
-        return {cid: len(f) for cid, f in self.train.items()}
-
-    def initial_messenger(self) -> dict:
-        return self.d.messenger_state()
-
     def initial_extra(self):
         """TAKD pre-alignment (Algorithm 1 step 8). With a `prealign_cache` directory, a result computed
         earlier for the same inputs (`prealign.key`: model, decomposition, LoRA, TAKD, data, seed) is
@@ -115,11 +112,26 @@ class LLMTask:
 
     def downlink_extra(self, extra: TAKDState) -> dict:
         """The student LoRA (every round) and the emulator's frozen base weights (first contact only)."""
-        return {"student": extra.student, "emulator": self.d.emulator_base_state()}
+        emu = self.d.emulator_base_state()
+        if self.edge_dtype is not None:
+            emu = {k: v.to(self.edge_dtype) for k, v in emu.items()}
+        return {"student": extra.student, "emulator": emu}
 
-    def downlink_reference(self) -> dict:
-        """What a client checks the downlink extras against (keys, shapes, dtypes)."""
-        return {"student": self.d.student_state(), "emulator": self.d.emulator_base_state()}
+    def edge_spec(self) -> dict[str, bytes]:
+        """What a Flower client needs at first contact to build AdapEmu without the full model (`models.edge`)."""
+        from ciders.models.edge import edge_spec
+
+        return edge_spec(self.d, self.tok, self.edge_dtype)
+
+    def model_sizes(self) -> dict:
+        """MiB of parameters: the full model the server holds and the emulator an edge client holds (base
+        weights and both LoRA adapters), to set beside what edge clients report (`client_resources`)."""
+        def mib(ts) -> float:
+            return sum(t.numel() * t.element_size() for t in ts) / 2**20
+
+        d = self.d
+        adapters = list(d.messenger_params().values()) + list(d.student_params().values())
+        return {"full_model": mib(d.base.parameters()), "emulator": mib(list(d.emulator_base_params().values()) + adapters)}
 
     def static_extra(self) -> set[str]:
         """Sent at a client's first contact only: the emulator's base weights (B_L, messenger layers,
@@ -133,41 +145,6 @@ class LLMTask:
             self.d.load_student(downlink_extra["student"])
         self._hidden.clear()  # B_L may have changed: cached backbone outputs are stale
         self.d.messenger_top.train()  # LoRA dropout during client steps
-
-    def loss_fn(self, cid: str):
-        return self.loss
-
-    def batches(self, cid: str, t: int, n: int, seed: int) -> list:
-        """n micro-batches of the client's data: epochs of seeded permutations; B_L(x) is computed once
-        per example per round (no grad) and reused by every gradient evaluation and repeated batch."""
-        feats = self.train[cid]
-        bs = self.cfg.algorithm.batch_size
-        ci = int(cid[len("client"):])
-        out = []
-        for j in range(n):
-            idx = []
-            for g in range(j * bs, (j + 1) * bs):
-                epoch, k = divmod(g, len(feats))
-                perm = torch.randperm(len(feats), generator=torch.Generator().manual_seed(derive_seed(seed, "client-batches", t, ci, epoch)))
-                idx.append(int(perm[k]))
-            out.append(self._batch(cid, idx, derive_seed(seed, "client-dropout", t, ci, j) % (2**62)))
-        return out
-
-    def _batch(self, cid: str, idx: list[int], seed: int) -> dict:
-        feats = self.train[cid]
-        missing = sorted({i for i in idx if (cid, i) not in self._hidden})
-        if missing:
-            b = collate([feats[i] for i in missing], self.pad, self.d.device)
-            h = self.d.backbone_hidden(b["input_ids"], b["attention_mask"])
-            for r, i in enumerate(missing):
-                self._hidden[(cid, i)] = h[r, : len(feats[i]["input_ids"])]
-        b = collate([feats[i] for i in idx], self.pad, self.d.device)
-        hid = torch.zeros((len(idx), b["input_ids"].size(1), self.d.base.config.hidden_size),
-                          dtype=self.d.base.dtype, device=self.d.device)
-        for r, i in enumerate(idx):
-            h = self._hidden[(cid, i)]
-            hid[r, : h.size(0)] = h
-        return {"hidden": hid, "attention_mask": b["attention_mask"], "labels": b["labels"], "seed": seed}
 
     def after_server(self, t: int, server, extra: TAKDState):
         self.d.messenger_top.eval()

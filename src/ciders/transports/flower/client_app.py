@@ -3,9 +3,15 @@
 Identity: the stable client id is `client<partition-id>` from the node config (Flower's node ids change
 per run and per restart). The client reports it in every reply; the server keys all its state by it.
 
+The client is an edge client (`workloads.edge.EdgeTask`, docs/edge.md): it never loads `model.name`. It
+builds AdapEmu from the edge spec (`setup`, at first contact) and the emulator weights of its first
+broadcast, which it keeps as a Hugging Face model directory, `<state-dir>/edge/`. With a `data-file` in its
+node config (federation.partition=nodes) it trains on that file; otherwise on its partition of the
+experiment's data.
+
 State: durable state lives in the node's state directory (`node_config["state-dir"]`, or the directory
-the simulation assigns): the client's RoundStore record (c_i, version, pending increment, personalized
-messenger) and the static components it received once (e.g. a fixed B_L). It survives ClientApp and
+the simulation assigns): the edge model, the client's RoundStore record (c_i, version, pending increment,
+personalized messenger) and the static components it received once (e.g. a fixed student LoRA). It survives ClientApp and
 SuperNode restarts. Every server message says which round is the last committed one; the client first
 drops records of later rounds (an attempt the server did not commit, e.g. before a ServerApp restart),
 so client and server agree on what happened. `context.state` keeps the id and config digest the node
@@ -13,8 +19,10 @@ first ran with, so a node whose partition or experiment changed mid-run fails lo
 state.
 
 Messages (message_type: fields):
-  query    kind "hello"                -> {client_id}                          (no torch import)
-  train    family ciders, phase train  broadcast bytes -> upload bytes + metrics record  (Eq. 4-10)
+  query    kind "hello"                -> {client_id, edge: digest of the spec held or ""} (no torch import)
+  query    kind "setup"                the edge spec's files, checked, then stored -> {client_id, edge}
+  train    family ciders, phase train  broadcast bytes -> upload bytes + metrics record  (Eq. 4-10), with the
+                                       client's peak RSS and state bytes
   evaluate family ciders, phase report -> the personalized messenger x_K as wire bytes (for the evaluation)
   train    family bilevel, phase inner|outer|local -> a RABO-family phase reply (`transports.flower.bilevel`)
 """
@@ -64,17 +72,37 @@ def _check_identity(context: Context, cid: str, digest: str) -> None:
         rec["config_sha"] = digest
 
 
-def _task(cfg_text: str, state: Path):
-    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), str(state))
+def _task(cfg_text: str, state: Path, cid: str, data_file: str | None):
+    """The client's EdgeTask (built once per process and experiment: Ray reuses processes)."""
+    from ciders.models.edge_spec import held_digest
+
+    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), str(state), held_digest(state / "edge"), data_file or "")
     if key not in _TASKS:
         from ciders.algorithms import configure
         from ciders.config import loads_config
-        from ciders.workloads.llm import LLMTask
+        from ciders.workloads.edge import EdgeTask
 
         cfg = configure(loads_config(cfg_text, "the config the server sent"))  # the method's effective knobs
         _TASKS.clear()  # one experiment per process at a time
-        _TASKS[key] = (cfg, LLMTask(cfg, state, log=lambda s: None, role="client"))
+        _TASKS[key] = (cfg, EdgeTask(cfg, state, cid, data_file, log=lambda s: None))
     return _TASKS[key]
+
+
+def _setup(f: dict, cid: str, state: Path) -> dict:
+    """First contact: store the edge spec the server sent (checked: names, sizes, the split) in state/edge."""
+    from ciders.core.wire import PayloadError
+    from ciders.models.edge_spec import MAX_SPEC_BYTES, check_spec, spec_digest, write_spec
+
+    names = f.get("names")
+    if not isinstance(names, list) or not 0 < len(names) <= 32 or not all(isinstance(n, str) for n in names):
+        raise PayloadError(f"{cid}: setup message without a valid list of file names")
+    files = {n: f.get(f"file{i}") for i, n in enumerate(names)}
+    if sum(len(b) for b in files.values() if isinstance(b, bytes)) > MAX_SPEC_BYTES:
+        raise PayloadError(f"{cid}: edge spec larger than {MAX_SPEC_BYTES} bytes")
+    check_spec(files)
+    if spec_digest(files) != f.get("sha"):
+        raise PayloadError(f"{cid}: the edge spec's digest does not match the one the server sent")
+    return {"client_id": cid, "edge": write_spec(state / "edge", files)}
 
 
 def _store(state: Path, committed: int, keep_current: bool):
@@ -88,6 +116,14 @@ def _store(state: Path, committed: int, keep_current: bool):
     store.recover(committed)
     store.commit(committed)
     return store
+
+
+def _resources(state: Path) -> dict:
+    """This client's own footprint: the process's peak resident memory and its state's bytes on disk (MiB)."""
+    import resource
+
+    disk = sum(p.stat().st_size for p in state.rglob("*") if p.is_file())
+    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "disk_mib": disk / 2**20}
 
 
 def _fault(cid: str, kind: str, t: int, state: Path) -> None:
@@ -110,10 +146,15 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
         cid = client_id_of(context)
         f = fm.fields_of(msg.content)
         if kind == "hello":
-            if f.get("kind") != "hello":
-                raise ValueError(f"{cid}: expected a hello query, got {f.get('kind')!r}")
+            if f.get("kind") not in ("hello", "setup"):
+                raise ValueError(f"{cid}: expected a hello or setup query, got {f.get('kind')!r}")
             _check_identity(context, cid, "")
-            return Message(fm.pack({"client_id": cid}), reply_to=msg)
+            state = state_dir_of(context, spec, cid)
+            if f["kind"] == "setup":
+                return Message(fm.pack(_setup(f, cid, state)), reply_to=msg)
+            from ciders.models.edge_spec import held_digest  # no torch import
+
+            return Message(fm.pack({"client_id": cid, "edge": held_digest(state / "edge")}), reply_to=msg)
         family, phase = f.get("family"), f.get("phase")
         if (kind == "report") != (phase == "report") or family not in ("ciders", "bilevel"):
             raise ValueError(f"{cid}: unexpected {kind} message (family {family!r}, phase {phase!r})")
@@ -125,19 +166,17 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
             from ciders.transports.flower import bilevel
 
             return bilevel.handle(msg, cid, state)
-        cfg, task = _task(str(f["config"]), state)
         t, committed = int(f["round"]), int(f["committed"])
         if phase == "train":
             from ciders.federation.rounds import StaticHolder, client_round
 
-            sizes = task.clients()
-            if cid not in sizes:
-                raise ValueError(f"this node hosts {cid}, but the run has clients {', '.join(sorted(sizes))}; "
-                                 "check its partition-id")
+            data_file = context.node_config.get("data-file")
+            cfg, task = _task(str(f["config"]), state, cid, None if data_file is None else str(data_file))
             store = _store(state, committed, keep_current=False)
             up, rec = client_round(cfg, task, store, cid, fm.payload_of(msg.content),
                                    task.downlink_reference(), held=StaticHolder(state / "static"))
             _fault(cid, kind, t, state)
+            rec = {**rec, **_resources(state)}
             return Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=msg)
         if phase != "report":
             raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")

@@ -68,7 +68,8 @@ def _cmd(a: argparse.Namespace) -> int:
         return 0
     if a.role == "loopback":
         status = loopback(Path(a.config), Path(a.out), a.clients, work, a.set or [],
-                          secure=not a.insecure, port=a.port, control_port=a.control_port)
+                          secure=not a.insecure, port=a.port, control_port=a.control_port,
+                          data_files=[Path(f) for f in a.data_file] if a.data_file else None)
         return 0 if status == "finished:completed" else 2
     dep = deployment(a)
     if a.role == "superlink":
@@ -81,7 +82,8 @@ def _cmd(a: argparse.Namespace) -> int:
         print(f"{len(a.keys)} SuperNode keys registered on {dep.control}")
         return 0
     if a.role == "supernode":
-        dep.start_supernode(a.partition, a.clients, Path(a.state_dir), port=a.node_port)
+        dep.start_supernode(a.partition, a.clients, Path(a.state_dir), port=a.node_port,
+                            data_file=Path(a.data_file) if a.data_file else None)
         return _foreground(dep, f"SuperNode client{a.partition} -> {dep.fleet}")
     run_id = dep.launch(Path(a.config), Path(a.out), a.set or [], resume=a.resume)
     print(f"run {run_id} started; the ServerApp writes {a.out}", flush=True)
@@ -119,6 +121,8 @@ def add_parser(sub) -> None:
     r.add_argument("--superlink", default="127.0.0.1:9092", help="HOST:PORT of the Fleet address")
     r.add_argument("--state-dir", required=True, help="the client's durable state (survives restarts)")
     r.add_argument("--node-port", type=int, default=9094, help="local port for this node's ClientApps")
+    r.add_argument("--data-file", help="this client's own data file (jsonl/json/csv/parquet in a format the tasks "
+                   "read); without it the client cuts its partition out of the experiment's data")
     r.add_argument("--insecure", action="store_true")
     for name, help_ in (("launch", "start a run on a running SuperLink and wait for it"),
                         ("loopback", "the whole deployment on 127.0.0.1: start, run, stop")):
@@ -136,4 +140,6 @@ def add_parser(sub) -> None:
             r.add_argument("--clients", type=int, required=True, help="number of SuperNodes")
             r.add_argument("--port", type=int, default=9092, help="Fleet port (the gateway)")
             r.add_argument("--control-port", type=int, default=9093, help="Control port (127.0.0.1)")
+            r.add_argument("--data-file", action="append", help="SuperNode i's own data file, once per node in "
+                           "order (federation.partition=nodes)")
     p.set_defaults(fn=_cmd)

@@ -194,8 +194,13 @@ class Deployment:
         return cmd + (["--certfile", str(c / "server.pem"), "--keyfile", str(c / "server.key"),
                        "--cafile", str(c / "ca.crt")] if self.secure else ["--insecure"])
 
-    def supernode_cmd(self, i: int, n: int, state_dir: Path, port: int | None = None) -> list[str]:
+    def supernode_cmd(self, i: int, n: int, state_dir: Path, port: int | None = None,
+                      data_file: Path | None = None) -> list[str]:
+        """`data_file`: the node's own data (the ClientApp reads it instead of cutting partition i out of the
+        experiment's data; docs/flower.md#each-node-brings-its-own-data)."""
         node_cfg = f'partition-id={i} num-partitions={n} state-dir="{Path(state_dir).resolve()}"'
+        if data_file is not None:
+            node_cfg += f' data-file="{Path(data_file).resolve()}"'
         cmd = ["flower-supernode", "--superlink", self.fleet, "--node-config", node_cfg,
                "--host", "127.0.0.1", "--port", str(port or self.node_port + i)]
         return cmd + (["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
@@ -263,8 +268,10 @@ class Deployment:
             self.register_key(self.work / "keys" / f"supernode{i}.pub", f"supernode{i}")
 
     def start_supernode(self, i: int, n: int, state_dir: Path, env: dict | None = None,
-                        port: int | None = None) -> subprocess.Popen:
-        return self._start(f"supernode{i}", self.supernode_cmd(i, n, state_dir, port), env)
+                        port: int | None = None, data_file: Path | None = None,
+                        wrap: list[str] | None = None) -> subprocess.Popen:
+        """`wrap`: a command prefix the SuperNode runs under (tests: a mount namespace hiding the model files)."""
+        return self._start(f"supernode{i}", [*(wrap or []), *self.supernode_cmd(i, n, state_dir, port, data_file)], env)
 
     def rejoin(self, i: int, n: int, state_dir: Path, timeout: float = 180, env: dict | None = None) -> None:
         """Restart SuperNode i after a crash. The SuperLink keeps a SIGKILLed node "online" until its
@@ -393,11 +400,14 @@ class Deployment:
 
 
 def loopback(config: Path, out: Path, n_clients: int, work: Path, overrides: list[str] = (), secure: bool = True,
-             port: int = 9092, node_port: int = 9094, log=print, control_port: int = 9093) -> str:
+             port: int = 9092, node_port: int = 9094, log=print, control_port: int = 9093,
+             data_files: list[Path] | None = None) -> str:
     """The whole deployment on 127.0.0.1: credentials, SuperLink (Control on `control_port`), the Fleet
-    gateway (`port`), N SuperNodes (state in WORK/nodes/client<i>), one run, then every process stopped.
-    Returns the run's final status."""
+    gateway (`port`), N SuperNodes (state in WORK/nodes/client<i>; `data_files[i]`: node i's own data, for
+    federation.partition=nodes), one run, then every process stopped. Returns the run's final status."""
     work = Path(work)
+    if data_files and len(data_files) != n_clients:
+        raise CidersError(f"--data-file: give one per SuperNode ({n_clients}), got {len(data_files)}")
     if secure:
         make_credentials(work, n_clients)
     dep = Deployment(work, port=port, node_port=node_port, secure=secure, control_port=control_port)
@@ -408,7 +418,8 @@ def loopback(config: Path, out: Path, n_clients: int, work: Path, overrides: lis
         for i in range(n_clients):
             dep.register(i)
         for i in range(n_clients):
-            dep.start_supernode(i, n_clients, work / "nodes" / f"client{i}")
+            dep.start_supernode(i, n_clients, work / "nodes" / f"client{i}",
+                                data_file=Path(data_files[i]) if data_files else None)
         dep.wait_online(n_clients)
         log(f"{n_clients} SuperNodes online")
         run_id = dep.launch(config, out, overrides)

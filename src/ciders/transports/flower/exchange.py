@@ -3,6 +3,9 @@ the replies collected. It is the in-process transport's twin (`federation.exchan
 families: the round loop stays ciders's (`federation.loop.run_rounds`), Flower only moves the bytes.
 
 Per phase:
+  setup    (CIDERS, at a client's first contact) the edge spec (`models.edge_spec`: AdapEmu's config, the
+           tokenizer, the split) to every addressed client whose `hello` reported another digest; the
+           emulator's weights follow in its first broadcast, so the client never needs the full model
   nodes    `NodeMap` maps SuperNodes to stable client ids (a `hello` query); at a round's first phase it
            waits `flower.node_wait_s` (the first round) or `flower.rejoin_wait_s` (later rounds) for
            missing clients. A CIDERS train phase none of whose clients has a node stops the run with an
@@ -29,6 +32,7 @@ from flwr.serverapp import Grid
 
 from ciders.core.wire import PayloadError
 from ciders.errors import CidersError
+from ciders.models.edge_spec import spec_digest
 from ciders.federation.exchange import Reply
 from ciders.transports.flower import messages as fm
 from ciders.transports.flower.nodes import NodeMap
@@ -39,8 +43,12 @@ class FlowerExchange:
     a round (node discovery waits there)."""
 
     def __init__(self, grid: Grid, config_text: str, ids: list[str], fcfg, family: str,
-                 log: Callable[[str], None] = print, first_phases: tuple[str, ...] = ("train", "inner", "local")):
+                 log: Callable[[str], None] = print, first_phases: tuple[str, ...] = ("train", "inner", "local"),
+                 edge_spec: dict[str, bytes] | None = None):
         self.grid, self.config_text, self.fcfg, self.family, self.log = grid, config_text, fcfg, family, log
+        self.edge_spec = edge_spec
+        self.edge_sha = spec_digest(edge_spec) if edge_spec else ""
+        self.setup_bytes: dict[str, int] = {}  # client id -> bytes of the edge spec sent to it
         self.nodes = NodeMap(ids, set(ids), fcfg.round_timeout_s, log)
         self.first_phases, self.started = first_phases, False
         self.trained: set[str] = set()  # clients sent this round's train message (waited for at report)
@@ -52,6 +60,8 @@ class FlowerExchange:
         grace = (self.fcfg.rejoin_wait_s if self.started else self.fcfg.node_wait_s) if opening else 0.0
         self.nodes.discover(self.grid, grace, quiet=not opening)
         self.started = True
+        if self.edge_spec and opening:
+            self._setup([c for c in messages if c in self.nodes.node_of and self.nodes.edge_of.get(c) != self.edge_sha])
         if self.family == "ciders" and messages and not any(c in self.nodes.node_of for c in messages):
             raise CidersError(f"round {t}: none of the sampled clients ({', '.join(messages)}) has a connected "
                               f"SuperNode; the run stops after round {t - 1} (committed). Start the SuperNodes "
@@ -84,6 +94,34 @@ class FlowerExchange:
             except PayloadError as exc:
                 replies.append(Reply(cid, rejected=str(exc)))
         return replies
+
+    def _setup(self, cids: list[str]) -> None:
+        """First contact: the edge spec (AdapEmu's config, the tokenizer, the split) to each client that does
+        not hold this run's; a client that fails to store it fails its train message, and is sent it again."""
+        if not cids:
+            return
+        names = sorted(self.edge_spec)
+        fields = {"kind": "setup", "sha": self.edge_sha, "names": names,
+                  **{f"file{i}": self.edge_spec[n] for i, n in enumerate(names)}}
+        size = sum(len(b) for b in self.edge_spec.values())
+        sent = {self.nodes.node_of[c]: c for c in cids}
+        msgs = [Message(fm.pack(fields), dst_node_id=n, message_type="query") for n in sent]
+        for rep in self.grid.send_and_receive(msgs, timeout=self.fcfg.round_timeout_s):
+            cid = sent.get(rep.metadata.src_node_id)
+            if cid is None:
+                continue
+            if rep.has_error():
+                self.log(f"{cid}: the edge spec was not stored ({rep.error.reason})")
+                continue
+            try:
+                held = fm.fields_of(rep.content).get("edge")
+            except PayloadError as exc:
+                self.log(f"{cid}: unreadable setup reply ({exc})")
+                continue
+            if held == self.edge_sha:
+                self.nodes.edge_of[cid] = self.edge_sha
+                self.setup_bytes[cid] = self.setup_bytes.get(cid, 0) + size
+                self.log(f"{cid}: sent the edge spec ({size / 2**20:.2f} MiB: AdapEmu's config, tokenizer, split)")
 
     def _fields(self, phase: str, t: int) -> dict:
         # rounds commit in order, so the last committed one is t - 1 (the client drops later records)

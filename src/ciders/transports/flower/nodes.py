@@ -24,6 +24,7 @@ class NodeMap:
         self.ids, self.valid, self.hello_timeout_s, self.log = list(ids), valid, hello_timeout_s, log
         self.node_of: dict[str, int] = {}  # client id -> node id hosting it now
         self.asked: dict[int, str] = {}  # node id -> client id it reported
+        self.edge_of: dict[str, str] = {}  # client id -> digest of the edge spec its node holds ("" none)
 
     def discover(self, grid: Grid, grace: float, quiet: bool = False) -> None:
         deadline = time.monotonic() + grace
@@ -63,3 +64,5 @@ class NodeMap:
                 continue
             self.asked[node] = cid
             self.node_of[cid] = node  # a restarted node replaces the old one
+            edge = fm.fields_of(rep.content).get("edge", "")
+            self.edge_of[cid] = edge if isinstance(edge, str) else ""

@@ -55,11 +55,14 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
         ex = FlowerExchange(grid, spec["config_text"], ids, exp.flower, "bilevel", log)
         return run_bilevel(exp, build(exp), out, log=log, resume=resume, exchange=ex)
     from ciders.federation.loop import run_federation
+    from ciders.runtime import DTYPES
     from ciders.workloads.llm import LLMTask
 
-    task = LLMTask(cfg, out, log=log)
+    ed = cfg.federation.emulator_dtype
+    task = LLMTask(cfg, out, log=log, edge_dtype=None if ed == "model" else DTYPES[ed])
     # the clients get the effective config (a baseline's knobs set)
-    ex = FlowerExchange(grid, dump_yaml(algorithms.configure(cfg)), sorted(task.clients()), cfg.flower, "ciders", log)
+    ex = FlowerExchange(grid, dump_yaml(algorithms.configure(cfg)), sorted(task.clients()), cfg.flower, "ciders", log,
+                        edge_spec=task.edge_spec())
     return run_federation(cfg, task, out, resume=resume, log=log, progress=False, exchange=ex)
 
 
@@ -87,6 +90,11 @@ def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dic
     from ciders.transports.flower.client_app import make_client_app
     from ciders.errors import CidersError
 
+    if getattr(cfg.federation, "partition", None) == "nodes":
+        from ciders.errors import ConfigError
+
+        raise ConfigError("federation.partition=nodes: simulated SuperNodes hold no data files; run it on a "
+                          "deployment (`ciders flower loopback` / `launch`, SuperNodes with --data-file)")
     out = Path(out)
     summary_path = out / "summary.json"
     summary_path.unlink(missing_ok=True)

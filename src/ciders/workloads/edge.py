@@ -1,0 +1,106 @@
+"""The edge client's task (a Flower ClientApp; docs/edge.md): AdapEmu built from what the server sent
+(`models.edge`: the edge spec at first contact, the emulator weights in the first broadcast), the client's
+own data, the messenger loss. It never loads `model.name`: an edge device holds no full model.
+
+State directory layout (the node's `state-dir`):
+  edge/      the edge spec and, after the first round, model.safetensors: AdapEmu's base as an HF model
+  store/     the client's round records (c_i, version, pending increment, personalized messenger)
+  static/    components sent once besides the emulator (the student LoRA under FedOT / LocalOT)
+
+Data: `data_file` (the node's `data-file`) is the client's own file, in any format the tasks read, split
+into a training part and a held-out head (`federation.holdout`); without it the client cuts its partition
+out of the experiment's data as the in-process engine does (simulation and benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ciders.config import ExperimentConfig
+from ciders.core.wire import PayloadError
+from ciders.errors import CidersError
+from ciders.models import edge as me
+from ciders.models import edge_spec as es
+from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
+from ciders.models.split import split_layers
+from ciders.runtime import DTYPES, resolve_device, resolve_dtype
+from ciders.workloads.client_side import ClientSide
+
+
+class EdgeTask(ClientSide):
+    def __init__(self, cfg: ExperimentConfig, state: str | Path, cid: str, data_file: str | Path | None = None,
+                 log=print):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.cid, self.log = cfg, cid, log
+        self.edge_dir = Path(state) / "edge"
+        if not es.held_digest(self.edge_dir):
+            raise PayloadError(f"{cid} holds no edge spec ({self.edge_dir}); the server sends it at first contact")
+        meta = json.loads((self.edge_dir / es.META).read_text(encoding="utf-8"))
+        self.wire_dtype = DTYPES.get(str(meta.get("emulator_dtype")))  # the emulator's download dtype
+        split = es.split_of(meta)
+        mine = split_layers(split.n_layers, cfg.decomposition.messenger_layers, **cfg.decomposition.split_kwargs())
+        if mine != split:
+            raise CidersError(f"the edge spec's split {split} is not the experiment's {mine}")
+        dev = resolve_device(cfg.model.device)
+        model, self.loaded = me.load_edge(self.edge_dir, dev, resolve_dtype(cfg.model.dtype, dev),
+                                          cfg.model.attn_implementation)
+        self.d = me.edge_decompose(model, split, cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
+        self.tok = AutoTokenizer.from_pretrained(str(self.edge_dir))
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.pad = self.tok.pad_token_id
+        nodes = cfg.federation.partition == "nodes"
+        if nodes != bool(data_file):
+            raise CidersError(f"{cid}: this node has {'a' if data_file else 'no'} data-file and the experiment's "
+                              f"federation.partition is {cfg.federation.partition}; a node brings its own data "
+                              "(--data-file) exactly when federation.partition=nodes")
+        self.train = {cid: self._data(Path(data_file)) if data_file else self._partition()}
+        a = cfg.algorithm
+        self.loss = MessengerLoss(self.d, compute_dtype=step_compute_dtype(a.metagrad, a.hvp, self.d.base.dtype))
+        self._hidden: dict = {}
+
+    def _partition(self) -> list[dict]:
+        from ciders.tasks import federated
+
+        data = federated.build(self.cfg, self.tok)
+        if self.cid not in data.train:
+            raise CidersError(f"this node hosts {self.cid}, but the run has clients {', '.join(sorted(data.train))}; "
+                              "check its partition-id")
+        return data.train[self.cid]
+
+    def _data(self, path: Path) -> list[dict]:
+        from ciders.tasks.federated import tokenize_clients
+        from ciders.tasks.paths import resolve
+        from ciders.tasks.text import load_examples
+
+        dc = self.cfg.data
+        ex, _ = load_examples(resolve(str(path)), dc.format, dc.clients_limit)
+        train, *_ = tokenize_clients([ex], [], self.tok, dc.max_length, self.cfg.federation.holdout)
+        return train["client0"]  # its held-out head (federation.holdout) is left out of training
+
+    def downlink_reference(self) -> dict:
+        """As `ClientSide`'s, with the emulator in the dtype the spec says it travels in."""
+        ref = super().downlink_reference()
+        if self.wire_dtype is not None:
+            ref["emulator"] = {k: v.to(self.wire_dtype) for k, v in ref["emulator"].items()}
+        return ref
+
+    def static_extra(self) -> set[str]:
+        """The once-sent components the client round keeps in `static/`: the student LoRA when it is fixed
+        (no per-round TAKD). The emulator is this task's own: it becomes edge/model.safetensors."""
+        return {"student"} if self.cfg.takd.round_steps == 0 else set()
+
+    def begin_round(self, t: int, downlink_extra: dict) -> None:
+        if "emulator" in downlink_extra:  # first contact: load, then keep as the edge model's weights
+            self.d.load_emulator_base(downlink_extra["emulator"])
+            me.save_edge_weights(self.d, self.edge_dir, self.wire_dtype)
+            self.loaded = True
+        elif not self.loaded:
+            raise PayloadError(f"{self.cid} does not hold the emulator weights ({self.edge_dir / es.WEIGHTS} is "
+                               "missing); they are sent again after this failed round")
+        if "student" in downlink_extra:
+            self.d.load_student(downlink_extra["student"])
+        self._hidden.clear()  # B_L may have changed
+        self.d.messenger_top.train()  # LoRA dropout during client steps

@@ -1,0 +1,105 @@
+"""The edge client's task: from the spec and the first broadcast's emulator weights it gives the in-process
+client's batches and losses exactly; it refuses to train on placeholder weights, and a node's own data file
+is used exactly when the experiment says federation.partition=nodes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ciders.config import load_config
+from ciders.core.wire import PayloadError
+from ciders.errors import CidersError, ConfigError
+from ciders.models.edge_spec import write_spec
+from ciders.workloads.edge import EdgeTask
+from ciders.workloads.llm import LLMTask
+from conftest import ROOT
+
+SLICE = ROOT / "data" / "gsm8k-slice"
+BASE = ["model.name=tiny-qwen2", "model.device=cpu", "model.dtype=float32", "decomposition.messenger_layers=2",
+        "decomposition.drop_ratio=0.5", "federation.clients=2", "data.public_limit=4", "data.eval_limit=2",
+        "data.clients_limit=8", "data.max_length=64", f"data.public={SLICE}/public.jsonl",
+        f"data.eval={SLICE}/eval.jsonl", f"data.clients={SLICE}/clients.jsonl", "takd.teacher_cache=off",
+        "algorithm.batch_size=2"]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    cfg = load_config(None, BASE)
+    server = LLMTask(cfg, tmp_path / "server", log=lambda s: None)
+    write_spec(tmp_path / "node" / "edge", server.edge_spec())
+    return cfg, server, tmp_path / "node"
+
+
+def test_the_edge_task_gives_the_in_process_clients_batches_and_loss(setup):
+    cfg, server, state = setup
+    task = EdgeTask(cfg, state, "client1")
+    torch.manual_seed(0)
+    student = {k: torch.randn_like(v) * 0.1 for k, v in server.d.student_state().items()}
+    extra = {"student": student, "emulator": server.d.emulator_base_state()}
+    server.begin_round(0, {"student": student})
+    task.begin_round(0, extra)
+    assert (state / "edge" / "model.safetensors").is_file() and task.loaded
+    msg = {k: torch.randn_like(v) * 0.1 for k, v in server.initial_messenger().items()}
+    a, b = server.batches("client1", 0, 3, cfg.seed), task.batches("client1", 0, 3, cfg.seed)
+    for x, y in zip(a, b):
+        assert torch.equal(x["hidden"], y["hidden"]) and torch.equal(x["labels"], y["labels"])
+        assert torch.equal(server.loss(msg, x), task.loss(msg, y))
+    again = EdgeTask(cfg, state, "client1")  # a new process: the stored weights, memory-mapped
+    again.begin_round(1, {"student": student})
+    assert torch.equal(again.batches("client1", 0, 1, cfg.seed)[0]["hidden"], a[0]["hidden"])
+
+
+def test_no_training_on_placeholder_weights(setup):
+    cfg, _, state = setup
+    task = EdgeTask(cfg, state, "client0")
+    with pytest.raises(PayloadError, match="does not hold the emulator weights"):
+        task.begin_round(0, {})
+
+
+def test_a_node_data_file_exactly_when_the_partition_is_nodes(setup, tmp_path):
+    cfg, _, state = setup
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join((SLICE / "clients.jsonl").read_text().splitlines(keepends=True)[:5]))
+    with pytest.raises(CidersError, match="exactly when federation.partition=nodes"):
+        EdgeTask(cfg, state, "client0", data_file=mine)
+    nodes = load_config(None, BASE + ["federation.partition=nodes", "algorithm.weighting=uniform", "data.clients=null"])
+    with pytest.raises(CidersError, match="exactly when"):
+        EdgeTask(nodes, state, "client0")
+    task = EdgeTask(nodes, state, "client0", data_file=mine)
+    assert len(task.train["client0"]) == 4  # 5 records, the held-out fifth (federation.holdout 0.2) left out
+
+
+def test_the_nodes_partition_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="weighting=uniform"):
+        load_config(None, BASE + ["federation.partition=nodes"])
+    cfg = load_config(None, BASE + ["federation.partition=nodes", "algorithm.weighting=uniform", "data.clients=null"])
+    from ciders.federation.loop import run_federation
+
+    task = LLMTask(cfg, tmp_path / "run", log=lambda s: None)
+    assert task.clients() == {"client0": 0, "client1": 0}  # the server holds no client data
+    with pytest.raises(ConfigError, match="Flower deployment"):
+        run_federation(cfg, task, tmp_path / "run", log=lambda s: None, progress=False)
+
+
+def test_a_bfloat16_first_download_halves_the_bytes_and_rounds_the_weights(tmp_path):
+    from ciders.core import wire
+    from ciders.models.edge_spec import WEIGHTS
+
+    cfg = load_config(None, BASE)
+    server = LLMTask(cfg, tmp_path / "server", log=lambda s: None, edge_dtype=torch.bfloat16)
+    write_spec(tmp_path / "node" / "edge", server.edge_spec())
+    task = EdgeTask(cfg, tmp_path / "node", "client0")
+    extra = server.downlink_extra(SimpleNamespace(student=server.d.student_state()))
+    emu = extra["emulator"]
+    full = server.d.emulator_base_state()
+    assert all(v.dtype == torch.bfloat16 for v in emu.values())
+    wire.check(emu, task.downlink_reference()["emulator"], "emulator")  # what the client decodes against
+    with pytest.raises(PayloadError):
+        wire.check(emu, full, "emulator")  # a float32 reference would refuse it
+    task.begin_round(0, {"emulator": emu, "student": extra["student"]})
+    mine = task.d.emulator_base_state()
+    assert all(mine[k].dtype == torch.float32 and torch.equal(mine[k], full[k].bfloat16().float()) for k in full)
+    assert any(not torch.equal(mine[k], full[k]) for k in full)  # rounded: a lossy download
+    stored = (tmp_path / "node" / "edge" / WEIGHTS).stat().st_size
+    assert stored < 0.6 * sum(v.numel() * 4 for v in full.values())  # kept in bfloat16 on disk
