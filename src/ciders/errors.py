@@ -7,3 +7,8 @@ class CidersError(Exception):
 
 class ConfigError(CidersError):
     """A bad configuration value; the message names the key."""
+
+
+class PayloadError(CidersError):
+    """A message that must be rejected (malformed, or not what the receiver expects). Defined here, without
+    torch, so that code which only routes messages (a ClientApp answering `hello`) imports nothing heavy."""

@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 
 from ciders.core.tensors import State
-from ciders.errors import CidersError
+from ciders.errors import CidersError, PayloadError  # noqa: F401  (PayloadError: re-exported, it lived here)
 
 MAGIC = b"CIDR"
 MAX_HEADER = 64 * 1024  # bytes; a real header is a few hundred
@@ -30,10 +30,6 @@ MAX_DEPTH = 8  # JSON nesting of a header or a client record
 MAX_COMPONENTS = 64
 MAX_INT = 2**53  # exact in float64 and in every JSON parser
 MAX_NAME = 128  # characters of a component or key name
-
-
-class PayloadError(CidersError):
-    """A message that must be rejected (malformed, or not what the receiver expects)."""
 
 
 def encode(components: Mapping[str, Mapping[str, torch.Tensor] | None], meta: dict) -> tuple[bytes, dict[str, int]]:

@@ -27,7 +27,9 @@ CIDERS = {"client": "str", "round": "count", "resync_request": "bool", "gamma": 
           "e_rae": "number", "s_dr": "number", "s_ppr": "number", "r_fd_small": "count", "r_fd_moderate": "count",
           "r_fd_large": "count", "steps": _STEP,
           # an edge client's own resources (Flower): its process's peak resident memory, its state's bytes on disk
-          "peak_rss_mib": "number", "disk_mib": "number"}
+          "peak_rss_mib": "number", "disk_mib": "number",
+          # and its timings: in client_round, in the whole message handler, from its process's start; warm worker
+          "compute_s": "number", "handle_s": "number", "startup_s": "number", "warm": "bool"}
 BILEVEL = {"calls": "count", "seconds": "number", "inner_loss": "number", "outer_loss": "number",
            "solver_iters": "count", "solver_residual": "number", "solver_breakdown": "bool", "loss": "number",
            "support_loss": "number", "train_accuracy": "number", "steps": "count"}

@@ -137,12 +137,48 @@ def _fault(cid: str, kind: str, t: int, state: Path) -> None:
             time.sleep(float(arg))
 
 
+def ciders_phase(f: dict, payload: bytes, cid: str, state: Path, data_file: str | None) -> tuple[dict, bytes]:
+    """A CIDERS train or report phase on plain values: (reply fields, reply bytes). The ClientApp runs it, or
+    the node's warm worker does (the same function, so the same numbers)."""
+    t, committed, phase = int(f["round"]), int(f["committed"]), f.get("phase")
+    if phase == "train":
+        from ciders.federation.rounds import StaticHolder, client_round
+
+        cfg, task = _task(str(f["config"]), state, cid, data_file)
+        store = _store(state, committed, keep_current=False)
+        t0 = time.perf_counter()
+        up, rec = client_round(cfg, task, store, cid, payload, task.downlink_reference(),
+                               held=StaticHolder(state / "static"))
+        compute = time.perf_counter() - t0
+        _fault(cid, "train", t, state)
+        return {"client_id": cid, "record": json.dumps({**rec, **_resources(state), "compute_s": compute})}, up
+    if phase != "report":
+        raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")
+    # report: the personalized messenger of this round (not yet committed by the server)
+    from ciders.federation.rounds import client_report
+
+    return {"client_id": cid}, client_report(_store(state, committed, keep_current=True), cid)
+
+
+def _startup_s() -> float:
+    """Seconds from this process's start to now (its imports and Flower's app loading), or -1 unknown."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
 def make_client_app(spec: dict | None = None) -> ClientApp:
     """A ClientApp. `spec` (simulation) may give `clients_root`, where each client gets a directory."""
     spec = dict(spec or {})
     app = ClientApp()
 
     def handle(msg: Message, context: Context, kind: str) -> Message:
+        entry, started = time.perf_counter(), _startup_s()
         cid = client_id_of(context)
         f = fm.fields_of(msg.content)
         if kind == "hello":
@@ -166,25 +202,21 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
             from ciders.transports.flower import bilevel
 
             return bilevel.handle(msg, cid, state)
-        t, committed = int(f["round"]), int(f["committed"])
-        if phase == "train":
-            from ciders.federation.rounds import StaticHolder, client_round
+        data_file = context.node_config.get("data-file")
+        data_file = None if data_file is None else str(data_file)
+        worker = context.node_config.get("worker")
+        if worker:  # the node's warm worker holds torch, the edge model and the data (`transports.flower.worker`)
+            from ciders.transports.flower.worker import call
 
-            data_file = context.node_config.get("data-file")
-            cfg, task = _task(str(f["config"]), state, cid, None if data_file is None else str(data_file))
-            store = _store(state, committed, keep_current=False)
-            up, rec = client_round(cfg, task, store, cid, fm.payload_of(msg.content),
-                                   task.downlink_reference(), held=StaticHolder(state / "static"))
-            _fault(cid, kind, t, state)
-            rec = {**rec, **_resources(state)}
-            return Message(fm.pack({"client_id": cid, "record": json.dumps(rec)}, up), reply_to=msg)
-        if phase != "report":
-            raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")
-        # report: the personalized messenger of this round (not yet committed by the server)
-        from ciders.federation.rounds import client_report
-
-        return Message(fm.pack({"client_id": cid}, client_report(_store(state, committed, keep_current=True), cid)),
-                       reply_to=msg)
+            fields, out = call(Path(str(worker)), f, fm.payload_of(msg.content) if phase == "train" else b"", cid,
+                               state, data_file)
+        else:
+            fields, out = ciders_phase(f, fm.payload_of(msg.content) if phase == "train" else b"", cid, state, data_file)
+        if phase == "train":  # this message's own timings, beside what the phase measured
+            rec = json.loads(fields["record"])
+            rec.update(handle_s=time.perf_counter() - entry, startup_s=started, warm=bool(worker))
+            fields = {**fields, "record": json.dumps(rec)}
+        return Message(fm.pack(fields, out), reply_to=msg)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

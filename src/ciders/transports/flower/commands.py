@@ -83,7 +83,7 @@ def _cmd(a: argparse.Namespace) -> int:
         return 0
     if a.role == "supernode":
         dep.start_supernode(a.partition, a.clients, Path(a.state_dir), port=a.node_port,
-                            data_file=Path(a.data_file) if a.data_file else None)
+                            data_file=Path(a.data_file) if a.data_file else None, warm=not a.cold)
         return _foreground(dep, f"SuperNode client{a.partition} -> {dep.fleet}")
     run_id = dep.launch(Path(a.config), Path(a.out), a.set or [], resume=a.resume)
     print(f"run {run_id} started; the ServerApp writes {a.out}", flush=True)
@@ -121,6 +121,8 @@ def add_parser(sub) -> None:
     r.add_argument("--superlink", default="127.0.0.1:9092", help="HOST:PORT of the Fleet address")
     r.add_argument("--state-dir", required=True, help="the client's durable state (survives restarts)")
     r.add_argument("--node-port", type=int, default=9094, help="local port for this node's ClientApps")
+    r.add_argument("--cold", action="store_true", help="no warm worker: each Flower message pays torch's import "
+                   "and the model load (docs/flower.md#warm-clients)")
     r.add_argument("--data-file", help="this client's own data file (jsonl/json/csv/parquet in a format the tasks "
                    "read); without it the client cuts its partition out of the experiment's data")
     r.add_argument("--insecure", action="store_true")

@@ -195,16 +195,27 @@ class Deployment:
                        "--cafile", str(c / "ca.crt")] if self.secure else ["--insecure"])
 
     def supernode_cmd(self, i: int, n: int, state_dir: Path, port: int | None = None,
-                      data_file: Path | None = None) -> list[str]:
+                      data_file: Path | None = None, warm: bool = True) -> list[str]:
         """`data_file`: the node's own data (the ClientApp reads it instead of cutting partition i out of the
-        experiment's data; docs/flower.md#each-node-brings-its-own-data)."""
-        node_cfg = f'partition-id={i} num-partitions={n} state-dir="{Path(state_dir).resolve()}"'
+        experiment's data; docs/flower.md#each-node-brings-its-own-data). `warm`: the SuperNode starts beside a
+        warm worker (`transports.flower.worker`) that its ClientApps hand the CIDERS phases to."""
+        state_dir = Path(state_dir).resolve()
+        node_cfg = f'partition-id={i} num-partitions={n} state-dir="{state_dir}"'
         if data_file is not None:
             node_cfg += f' data-file="{Path(data_file).resolve()}"'
+        if warm:
+            from ciders.transports.flower.worker import socket_path
+
+            node_cfg += f' worker="{socket_path(state_dir)}"'
         cmd = ["flower-supernode", "--superlink", self.fleet, "--node-config", node_cfg,
                "--host", "127.0.0.1", "--port", str(port or self.node_port + i)]
-        return cmd + (["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
-                       str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"])
+        cmd += (["--root-certificates", str(self.work / "certs" / "ca.crt"), "--auth-supernode-private-key",
+                 str(self.work / "keys" / f"supernode{i}")] if self.secure else ["--insecure"])
+        if warm:  # the worker's parent is the shell that becomes the SuperNode: one process group, one lifetime
+            state_dir.mkdir(parents=True, exist_ok=True)
+            launch = f'"{sys.executable}" -m ciders.transports.flower.worker "$0" >> "$0/worker.log" 2>&1 & exec "$@"'
+            cmd = ["sh", "-c", launch, str(state_dir), *cmd]
+        return cmd
 
     # ------------------------------------------------------------------ processes
     def _start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -269,9 +280,10 @@ class Deployment:
 
     def start_supernode(self, i: int, n: int, state_dir: Path, env: dict | None = None,
                         port: int | None = None, data_file: Path | None = None,
-                        wrap: list[str] | None = None) -> subprocess.Popen:
+                        wrap: list[str] | None = None, warm: bool = True) -> subprocess.Popen:
         """`wrap`: a command prefix the SuperNode runs under (tests: a mount namespace hiding the model files)."""
-        return self._start(f"supernode{i}", [*(wrap or []), *self.supernode_cmd(i, n, state_dir, port, data_file)], env)
+        cmd = self.supernode_cmd(i, n, state_dir, port, data_file, warm)
+        return self._start(f"supernode{i}", [*(wrap or []), *cmd], env)
 
     def rejoin(self, i: int, n: int, state_dir: Path, timeout: float = 180, env: dict | None = None) -> None:
         """Restart SuperNode i after a crash. The SuperLink keeps a SIGKILLed node "online" until its

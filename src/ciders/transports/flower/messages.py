@@ -9,7 +9,7 @@ against what the receiver expects) and handle bf16 tensors, which numpy-backed A
 
 from __future__ import annotations
 
-from ciders.core.wire import PayloadError
+from ciders.errors import PayloadError
 
 KIND = "ciders"  # ConfigRecord with the routing fields
 PAYLOAD = "payload"  # ArrayRecord holding the wire bytes under "wire"
