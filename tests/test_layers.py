@@ -22,7 +22,7 @@ ALLOWED = {
     "report": {"util", "config", "core"},
     "federation": {"util", "config", "core", "algorithms"},
     "workloads": {"util", "config", "core", "tasks", "eval", "models", "algorithms", "federation"},
-    "transports": {"util", "config", "core", "algorithms", "federation", "workloads"},
+    "transports": {"util", "config", "core", "models", "algorithms", "federation", "workloads"},
     "experiments": {"util", "config", "core", "tasks", "eval", "models", "algorithms", "report", "workloads",
                     "federation", "transports"},
     "cli": set(),  # may import anything; nothing imports it

@@ -92,7 +92,7 @@ def test_a_hostile_spec_is_refused_and_nothing_is_written(attack, match, tmp_pat
 
 
 def test_the_setup_message_is_checked_before_it_is_stored(tmp_path):
-    from ciders.transports.flower.client_app import _setup
+    from ciders.transports.flower.edge_phase import setup as _setup
 
     files = _spec()
     names = sorted(files)

@@ -39,9 +39,7 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from ciders.transports.flower import messages as fm
-
-_TASKS: dict[tuple[str, str], object] = {}  # a cache (rebuilt on demand), not state: Ray reuses processes
-
+from ciders.transports.flower.edge_phase import ciders_phase, setup
 
 def client_id_of(context: Context) -> str:
     pid = context.node_config.get("partition-id")
@@ -72,94 +70,6 @@ def _check_identity(context: Context, cid: str, digest: str) -> None:
         rec["config_sha"] = digest
 
 
-def _task(cfg_text: str, state: Path, cid: str, data_file: str | None):
-    """The client's EdgeTask (built once per process and experiment: Ray reuses processes)."""
-    from ciders.models.edge_spec import held_digest
-
-    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), str(state), held_digest(state / "edge"), data_file or "")
-    if key not in _TASKS:
-        from ciders.algorithms import configure
-        from ciders.config import loads_config
-        from ciders.workloads.edge import EdgeTask
-
-        cfg = configure(loads_config(cfg_text, "the config the server sent"))  # the method's effective knobs
-        _TASKS.clear()  # one experiment per process at a time
-        _TASKS[key] = (cfg, EdgeTask(cfg, state, cid, data_file, log=lambda s: None))
-    return _TASKS[key]
-
-
-def _setup(f: dict, cid: str, state: Path) -> dict:
-    """First contact: store the edge spec the server sent (checked: names, sizes, the split) in state/edge."""
-    from ciders.core.wire import PayloadError
-    from ciders.models.edge_spec import MAX_SPEC_BYTES, check_spec, spec_digest, write_spec
-
-    names = f.get("names")
-    if not isinstance(names, list) or not 0 < len(names) <= 32 or not all(isinstance(n, str) for n in names):
-        raise PayloadError(f"{cid}: setup message without a valid list of file names")
-    files = {n: f.get(f"file{i}") for i, n in enumerate(names)}
-    if sum(len(b) for b in files.values() if isinstance(b, bytes)) > MAX_SPEC_BYTES:
-        raise PayloadError(f"{cid}: edge spec larger than {MAX_SPEC_BYTES} bytes")
-    check_spec(files)
-    if spec_digest(files) != f.get("sha"):
-        raise PayloadError(f"{cid}: the edge spec's digest does not match the one the server sent")
-    return {"client_id": cid, "edge": write_spec(state / "edge", files)}
-
-
-def _store(state: Path, committed: int, keep_current: bool):
-    """The client's record store, with records of rounds the server did not commit removed (train) or
-    kept up to the current round (report, which comes before the server commits it)."""
-    from ciders.core.store import RoundStore
-
-    if keep_current:
-        return RoundStore(state / "store", committed, cache_size=2)
-    store = RoundStore(state / "store", -1, cache_size=2)
-    store.recover(committed)
-    store.commit(committed)
-    return store
-
-
-def _resources(state: Path) -> dict:
-    """This client's own footprint: the process's peak resident memory and its state's bytes on disk (MiB)."""
-    import resource
-
-    disk = sum(p.stat().st_size for p in state.rglob("*") if p.is_file())
-    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "disk_mib": disk / 2**20}
-
-
-def _fault(cid: str, kind: str, t: int, state: Path) -> None:
-    """Test hook: CIDERS_FLOWER_FAULT="<client>:<round>:sleep:<seconds>" delays this reply (a late or
-    killed client in the deployment tests). Never set in normal use."""
-    spec = os.environ.get("CIDERS_FLOWER_FAULT", "")
-    for item in filter(None, spec.split(",")):
-        c, r, what, arg = item.split(":")
-        if c == cid and int(r) == t and kind == "train" and what == "sleep":
-            (state / f"FAULT_SLEEPING_r{t}").write_text(str(os.getpid()))
-            time.sleep(float(arg))
-
-
-def ciders_phase(f: dict, payload: bytes, cid: str, state: Path, data_file: str | None) -> tuple[dict, bytes]:
-    """A CIDERS train or report phase on plain values: (reply fields, reply bytes). The ClientApp runs it, or
-    the node's warm worker does (the same function, so the same numbers)."""
-    t, committed, phase = int(f["round"]), int(f["committed"]), f.get("phase")
-    if phase == "train":
-        from ciders.federation.rounds import StaticHolder, client_round
-
-        cfg, task = _task(str(f["config"]), state, cid, data_file)
-        store = _store(state, committed, keep_current=False)
-        t0 = time.perf_counter()
-        up, rec = client_round(cfg, task, store, cid, payload, task.downlink_reference(),
-                               held=StaticHolder(state / "static"))
-        compute = time.perf_counter() - t0
-        _fault(cid, "train", t, state)
-        return {"client_id": cid, "record": json.dumps({**rec, **_resources(state), "compute_s": compute})}, up
-    if phase != "report":
-        raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")
-    # report: the personalized messenger of this round (not yet committed by the server)
-    from ciders.federation.rounds import client_report
-
-    return {"client_id": cid}, client_report(_store(state, committed, keep_current=True), cid)
-
-
 def _startup_s() -> float:
     """Seconds from this process's start to now (its imports and Flower's app loading), or -1 unknown."""
     try:
@@ -187,7 +97,7 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
             _check_identity(context, cid, "")
             state = state_dir_of(context, spec, cid)
             if f["kind"] == "setup":
-                return Message(fm.pack(_setup(f, cid, state)), reply_to=msg)
+                return Message(fm.pack(setup(f, cid, state)), reply_to=msg)
             from ciders.models.edge_spec import held_digest  # no torch import
 
             return Message(fm.pack({"client_id": cid, "edge": held_digest(state / "edge")}), reply_to=msg)

@@ -88,7 +88,7 @@ def call(sock: Path, fields: dict, payload: bytes, cid: str, state: Path, data_f
 
 
 def serve(state_dir: Path, idle_s: float, parent: int) -> None:
-    from ciders.transports.flower.client_app import ciders_phase
+    from ciders.transports.flower.edge_phase import ciders_phase
 
     import torch  # noqa: F401  (the import is the point: it is paid once, here)
 
