@@ -18,6 +18,7 @@ from ciders.algorithms import ciders as alg
 from ciders.core.store import RoundStore
 from ciders.federation.loop import Faults, RunDir
 from ciders.fileio import read_jsonl
+from conftest import ROOT
 from flower_helpers import TINY, deployment, free_port, local_run
 
 pytestmark = pytest.mark.flower
@@ -34,8 +35,10 @@ def assert_same_run(a: Path, b: Path):
     ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
     assert [r["event"] for r in ra] == [r["event"] for r in rb]
     for x, y in zip(ra, rb):
-        if y["event"] == "client":  # an edge client's own footprint is measured on Flower only
-            assert y.pop("peak_rss_mib", 1) > 0 and y.pop("disk_mib", 1) > 0
+        if y["event"] == "client" and "peak_rss_mib" in y:  # an edge client's own footprint and timings: Flower only
+            for k in ("peak_rss_mib", "disk_mib", "compute_s", "handle_s", "startup_s"):
+                assert y.pop(k) > 0, k
+            assert isinstance(y.pop("warm"), bool)
         assert x == y, (x["event"], x.get("round"))
     for part in ("messenger", "student"):
         fa, fb = (next((d / "adapters" / part).glob("*.safetensors")) for d in (a, b))
