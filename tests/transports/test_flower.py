@@ -31,7 +31,13 @@ def tiny(tmp_path):
     return p
 
 
-def assert_same_run(a: Path, b: Path):
+def _diagnosis(run: Path, work: Path | None) -> str:
+    """What to read when a deployed run differs: the ServerApp's log and the nodes' worker logs (tails)."""
+    logs = [run / "server.log"] + (sorted(work.glob("nodes/*/worker.log")) if work else [])
+    return "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in logs if p.exists())
+
+
+def assert_same_run(a: Path, b: Path, work: Path | None = None):
     ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
     assert [r["event"] for r in ra] == [r["event"] for r in rb]
     for x, y in zip(ra, rb):
@@ -39,7 +45,7 @@ def assert_same_run(a: Path, b: Path):
             for k in ("peak_rss_mib", "disk_mib", "compute_s", "handle_s", "startup_s"):
                 assert y.pop(k) > 0, k
             assert isinstance(y.pop("warm"), bool)
-        assert x == y, (x["event"], x.get("round"))
+        assert x == y, (x["event"], x.get("round"), _diagnosis(b, work))
     for part in ("messenger", "student"):
         fa, fb = (next((d / "adapters" / part).glob("*.safetensors")) for d in (a, b))
         ta, tb = load_file(fa), load_file(fb)
@@ -101,7 +107,7 @@ def test_loopback_deployment_with_tls_and_node_auth_equals_in_process(tiny, tmp_
                  "--work", str(tmp_path / "dep"), "--port", str(port), "--control-port", str(free_port())]) == 0
     logs = capsys.readouterr().out
     assert "TLS + SuperNode auth" in logs and "Control on 127.0.0.1:" in logs and "finished:completed" in logs and "still running" not in logs, logs
-    assert_same_run(tmp_path / "local", tmp_path / "dep-run")
+    assert_same_run(tmp_path / "local", tmp_path / "dep-run", tmp_path / "dep")
 
 
 def test_documented_role_commands_deploy_and_stop_cleanly(tiny, tmp_path):
@@ -136,7 +142,7 @@ def test_documented_role_commands_deploy_and_stop_cleanly(tiny, tmp_path):
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in roles]
     assert codes == [0, 0, 0, 0]
-    assert_same_run(tmp_path / "local", tmp_path / "run")
+    assert_same_run(tmp_path / "local", tmp_path / "run", work)
     deadline = time.monotonic() + 30  # the roles have exited; Flower's own children may take a moment
     while True:
         left = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout.splitlines()
@@ -175,7 +181,7 @@ def test_supernode_killed_mid_round_rejoins_in_sync(tiny, tmp_path):
         assert dep.wait_run(run_id, timeout=600) == "finished:completed", dep.run_log(run_id)[-3000:]
     finally:
         dep.stop()
-    assert_same_run(tmp_path / "local", out)
+    assert_same_run(tmp_path / "local", out, dep.work)
     rows = read_jsonl(out / "metrics.jsonl")
     server = {r["round"]: r for r in rows if r["event"] == "server"}
     assert server[0]["accepted"] == ["client0", "client1"] and abs(sum(server[0]["p"].values()) - 1) < 1e-12

@@ -51,3 +51,44 @@ def test_bad_frames_and_failing_phases_are_error_replies(tmp_path):
 def test_a_socket_path_too_long_is_a_clear_error(tmp_path):
     with pytest.raises(w.WorkerError, match="too long for a Unix socket"):
         w.socket_path(tmp_path / ("d" * 120))
+
+
+def test_an_empty_payload_is_not_sent_after_the_header():
+    """A report carries no payload: a zero-byte send after the header races the worker's reply-and-close and
+    fails with EPIPE (seen in the deployment tests), so the header frame is the only write."""
+    class Conn:
+        def __init__(self):
+            self.writes = []
+
+        def sendall(self, b):
+            self.writes.append(bytes(b))
+
+    c = Conn()
+    w._send(c, {"a": 1})
+    assert len(c.writes) == 1 and struct.unpack("<QQ", c.writes[0][:16]) == (len(c.writes[0]) - 16, 0)
+    w._send(c, {"a": 1}, b"xyz")
+    assert c.writes[-1] == b"xyz"
+
+
+def test_the_client_reads_why_the_worker_refused_a_frame_it_did_not_read(tmp_path, monkeypatch):
+    """The worker refuses a too-large payload without reading it and closes: the ClientApp's send breaks, and
+    it still reports the worker's reason, not a bare broken pipe."""
+    import threading
+
+    monkeypatch.setattr(w, "MAX_PAYLOAD", 1024)
+    sock = tmp_path / w.SOCK
+    (tmp_path / w.TOKEN).write_text("t" * 64)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(str(sock))
+        srv.listen(1)
+
+        def serve_one():
+            conn, _ = srv.accept()
+            with conn:
+                w._answer(conn, "t" * 64, tmp_path, lambda *a: pytest.fail("the phase ran"))
+
+        t = threading.Thread(target=serve_one)
+        t.start()
+        with pytest.raises(w.WorkerError, match=r"frame of \d+ \+ 33554432 bytes"):
+            w.call(sock, {}, b"x" * 2**25, "client0", tmp_path, None)
+        t.join(10)

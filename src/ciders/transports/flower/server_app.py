@@ -34,9 +34,22 @@ def _spec_from_run_config(rc: dict) -> dict:
     return {"config_text": dump_yaml(cfg), "out": str(rc["out"]), "resume": bool(rc.get("resume", False))}
 
 
+def _teed(log, path: Path):
+    """`log`, with each line also appended to `path` (the ServerApp's own output is otherwise only in the
+    SuperLink's `flwr log`, which is gone with the SuperLink)."""
+    import time
+
+    def both(line: str) -> None:
+        log(line)
+        with open(path, "a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+
+    return both
+
+
 def serve(grid: Grid, spec: dict, log=print) -> dict:
     """One whole run on `grid` (simulation or deployment): the run's own round loop with a FlowerExchange
-    as its transport. Returns the run summary."""
+    as its transport, its log also kept in RUN/server.log. Returns the run summary."""
     from ciders import algorithms
     from ciders.config import dump_yaml, loads_experiment
     from ciders.federation.exchange import client_id
@@ -44,6 +57,7 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
 
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
+    log = _teed(log, out / "server.log")
     resume = bool(spec.get("resume", False))
     cfg = loads_experiment(spec["config_text"], "the experiment")
     if cfg.family == "bilevel":

@@ -35,7 +35,8 @@ class WorkerError(RuntimeError):
 def _send(conn: socket.socket, header: dict, payload: bytes = b"") -> None:
     h = json.dumps(header).encode()
     conn.sendall(struct.pack("<QQ", len(h), len(payload)) + h)
-    conn.sendall(payload)
+    if payload:  # no zero-byte send: the peer may already have answered and closed (EPIPE)
+        conn.sendall(payload)
 
 
 def _exactly(conn: socket.socket, n: int) -> bytes:
@@ -77,10 +78,13 @@ def call(sock: Path, fields: dict, payload: bytes, cid: str, state: Path, data_f
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(str(sock))
-            _send(conn, {"token": token_file.read_text().strip(), "fields": fields, "client_id": cid,
-                         "state": str(Path(state).resolve()), "data_file": data_file}, payload)
+            try:
+                _send(conn, {"token": token_file.read_text().strip(), "fields": fields, "client_id": cid,
+                             "state": str(Path(state).resolve()), "data_file": data_file}, payload)
+            except BrokenPipeError:  # the worker refused the frame before reading all of it: read why
+                pass
             header, out = _recv(conn)
-    except OSError as exc:  # a worker that died, or one restarting (a stale socket)
+    except (OSError, WorkerError) as exc:  # a worker that died, or one restarting (a stale socket)
         raise WorkerError(f"{cid}: the warm worker at {sock} did not answer ({exc})") from exc
     if "error" in header:
         raise WorkerError(f"{cid}: {header['error']}")
