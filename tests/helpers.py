@@ -115,3 +115,20 @@ class QuadTask:
 
     def evaluate(self, x, y):
         return {"loss": float(sum(self.f(x, y, i) for i in range(len(self.caps))))}
+
+
+def run_dir_without_run(tmp_path):
+    """A run directory as `ciders export` reads it (config.yaml, the two adapters), without the run."""
+    from ciders.config import dump_yaml, load_config
+    from ciders.workloads.prealign import build
+    from conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    d, _ = build(cfg)
+    randomize_lora(d)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(cfg))
+    d.save_messenger(run / "adapters" / "messenger")
+    d.save_student(run / "adapters" / "student")
+    return run

@@ -186,10 +186,14 @@ def _cmd_export(a: argparse.Namespace) -> int:
     from ciders.workloads.prealign import build
     from ciders.fileio import check_output
     from ciders.models.export import export_edge_model
+    from ciders.models.model_card import model_card
 
     run = Path(a.run_dir)
+    if (run / "edge" / "ciders_edge.json").is_file():
+        return _export_node(a, run)
     if not (run / "config.yaml").is_file():
-        raise CidersError(f"{run}: not a run directory (no config.yaml)")
+        raise CidersError(f"{run}: not a run directory (no config.yaml) nor a Flower node's state directory "
+                          "(no edge/ciders_edge.json)")
     check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"])  # export_edge_model writes the marker
     cfg = load_config(run / "config.yaml")
     d, tok = build(cfg)
@@ -200,9 +204,33 @@ def _cmd_export(a: argparse.Namespace) -> int:
     else:
         messenger = d.read_adapter(Path(a.messenger) if a.messenger else run / "adapters" / "messenger", "messenger")
     student = d.read_adapter(run / "adapters" / "student", "student")
-    out = export_edge_model(d, a.out, messenger=messenger, student=student, tokenizer=tok,
-                            meta={"run_dir": str(run.resolve())})
-    print(f"edge model ({d.split.edge_layers} layers, LoRA merged) written to {out}")
+    summary = json.loads((run / "summary.json").read_text(encoding="utf-8")) if (run / "summary.json").is_file() else None
+    which = {"client": a.client} if a.client else {"messenger": str(Path(a.messenger).resolve()) if a.messenger else "global"}
+    out = export_edge_model(d, a.out, fmt=a.format, messenger=messenger, student=student, tokenizer=tok,
+                            meta={"run_dir": str(run.resolve()), **which}, gguf_dtype=a.gguf_dtype,
+                            card=lambda info: model_card(info, cfg, summary, a.client))
+    print(f"edge model ({d.split.edge_layers} layers, LoRA merged, {a.format}) written to {out}")
+    return 0
+
+
+def _export_node(a: argparse.Namespace, state: Path) -> int:
+    """`ciders export NODE_STATE_DIR`: on the device, from what the node holds (no full model, no server)."""
+    from ciders.fileio import check_output
+    from ciders.models.export import export_edge_model
+    from ciders.models.model_card import model_card
+    from ciders.workloads.edge import node_model
+
+    if a.messenger:
+        raise CidersError("--messenger: a node exports its own personalized messenger; drop --messenger")
+    check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"])
+    d, tok, cfg, messenger, cid, rnd = node_model(state)
+    if a.client and a.client != cid:
+        raise CidersError(f"{state} is {cid}'s node, not {a.client}'s")
+    out = export_edge_model(d, a.out, fmt=a.format, messenger=messenger, tokenizer=tok, gguf_dtype=a.gguf_dtype,
+                            meta={"node_state_dir": str(state.resolve()), "client": cid, "record_round": rnd},
+                            card=lambda info: model_card(info, cfg, None, cid))
+    print(f"{cid}'s edge model (round {rnd} record; {d.split.edge_layers} layers, LoRA merged, {a.format}) "
+          f"written to {out}")
     return 0
 
 
@@ -427,9 +455,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per round")
     p.set_defaults(fn=_cmd_theory)
 
-    p = sub.add_parser("export", help="write the edge model (AdapEmu, LoRA merged) as a plain HF directory")
-    p.add_argument("run_dir")
+    p = sub.add_parser("export", help="write the edge model (AdapEmu, LoRA merged) as an HF directory, ONNX or GGUF")
+    p.add_argument("run_dir", help="a run directory, or a Flower node's state directory (exports its own model)")
     p.add_argument("--out", required=True, help="the edge model's directory (a new or empty one, or an earlier export)")
+    p.add_argument("--format", choices=("hf", "onnx", "gguf"), default="hf",
+                   help="hf: transformers directory; onnx: onnxruntime with a KV cache; gguf: llama.cpp (docs/edge.md)")
+    p.add_argument("--gguf-dtype", choices=("f32", "f16"), default="f32", help="GGUF matrices' dtype (norms stay f32)")
     _force_arg(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--messenger", help="PEFT messenger directory to use instead of the run's global one")

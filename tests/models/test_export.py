@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from ciders.models.decompose import decompose
 from ciders.models.export import export_edge_model
 from ciders.models.load import load_model
-from helpers import ARCHS, randomize_lora
+from helpers import ARCHS, randomize_lora, run_dir_without_run as _run_dir
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -28,23 +28,6 @@ def test_export_roundtrip(name, tmp_path):
     assert torch.equal(m.generate(ids, **kw), d.adapemu.generate(ids, **kw))
     # merging happened on a copy: the shared teacher weights are untouched
     assert torch.equal(d.backbone_full[0].self_attn.q_proj.weight, teacher_w)
-
-
-def _run_dir(tmp_path):
-    """A run directory as `ciders export` reads it (config.yaml, the two adapters), without the run."""
-    from ciders.config import dump_yaml, load_config
-    from ciders.workloads.prealign import build
-    from conftest import ROOT
-
-    cfg = load_config(ROOT / "configs" / "tiny.yaml")
-    d, _ = build(cfg)
-    randomize_lora(d)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text(dump_yaml(cfg))
-    d.save_messenger(run / "adapters" / "messenger")
-    d.save_student(run / "adapters" / "student")
-    return run
 
 
 def test_export_never_deletes_files_it_did_not_write(tmp_path, capsys):
@@ -70,9 +53,10 @@ def test_export_never_deletes_files_it_did_not_write(tmp_path, capsys):
     (edge / "stale.bin").write_bytes(b"x")  # as if an earlier version wrote it
     (edge / MARKER).write_text(json.dumps({**marker, "files": marker["files"] + ["stale.bin", "../outside"]}))
     (tmp_path / "outside").write_text("not the export's to delete")
-    (edge / "README.md").write_text("my notes on this model")
+    (edge / "NOTES.md").write_text("my notes on this model")
     assert main(["export", str(run), "--out", str(edge)]) == 0
-    assert not (edge / "stale.bin").exists() and (edge / "README.md").is_file() and (tmp_path / "outside").is_file()
+    assert not (edge / "stale.bin").exists() and (edge / "NOTES.md").read_text() == "my notes on this model"
+    assert (tmp_path / "outside").is_file() and "# Edge model" in (edge / "README.md").read_text()  # the model card
     AutoModelForCausalLM.from_pretrained(str(edge))
 
 

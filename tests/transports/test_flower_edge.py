@@ -85,3 +85,14 @@ def test_edge_nodes_without_the_full_model_and_with_their_own_data(tmp_path):
     assert sorted(res) == ["client0", "client1", "client2"] and all(r["peak_rss_mib"] > 50 for r in res.values())
     assert sizes["emulator"] < sizes["full_model"]
     assert all(r["disk_mib"] < 4 * sizes["full_model"] for r in res.values())
+    # on the device, still without the full model: the node exports its personalized model by itself
+    import sys
+
+    exported = tmp_path / "client1-onnx"
+    r = subprocess.run([*_hide(model), sys.executable, "-m", "ciders.cli", "export", str(dep.work / "nodes" / "client1"),
+                        "--out", str(exported), "--format", "onnx"], capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, **env})
+    assert r.returncode == 0 and "client1's edge model (round 1 record" in r.stdout, r.stdout + r.stderr
+    from ciders.models.onnx_run import EdgeSession
+
+    assert len(EdgeSession(exported).generate([1, 2, 3], 4, stop_at_eos=False)) == 4

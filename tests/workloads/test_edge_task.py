@@ -103,3 +103,36 @@ def test_a_bfloat16_first_download_halves_the_bytes_and_rounds_the_weights(tmp_p
     assert any(not torch.equal(mine[k], full[k]) for k in full)  # rounded: a lossy download
     stored = (tmp_path / "node" / "edge" / WEIGHTS).stat().st_size
     assert stored < 0.6 * sum(v.numel() * 4 for v in full.values())  # kept in bfloat16 on disk
+
+
+def test_a_node_exports_its_personalized_model_by_itself(setup, tmp_path, capsys):
+    """`ciders export NODE_STATE_DIR`: from the node's edge model, the last student LoRA it received and its
+    personalized messenger, nothing else. The model equals the server-side export of the same adapters."""
+    from safetensors.torch import load_file
+
+    from ciders.algorithms import ciders as alg
+    from ciders.cli import main
+    from ciders.core.store import RoundStore
+    from ciders.models.export import export_edge_model
+
+    cfg, server, state = setup
+    task = EdgeTask(cfg, state, "client1")
+    torch.manual_seed(1)
+    student = {k: torch.randn_like(v) * 0.1 for k, v in server.d.student_state().items()}
+    mine = {k: torch.randn_like(v) * 0.1 for k, v in server.initial_messenger().items()}
+    assert main(["export", str(state), "--out", str(tmp_path / "early")]) == 2  # before its first round
+    assert "holds no emulator weights yet" in capsys.readouterr().err
+    task.begin_round(0, {"student": student, "emulator": server.d.emulator_base_state()})
+    c0 = {k: torch.zeros_like(v) for k, v in mine.items()}
+    RoundStore(state / "store").put("client1", 0, *alg.client_record(alg.ClientState("client1", c0, 0, None, mine)))
+    assert main(["export", str(state), "--out", str(tmp_path / "out-node"), "--client", "client0"]) == 2
+    assert "client1's node, not client0's" in capsys.readouterr().err
+    assert main(["export", str(state), "--out", str(tmp_path / "out-node")]) == 0
+    assert "client1's edge model (round 0 record" in capsys.readouterr().out
+    export_edge_model(server.d, tmp_path / "server", messenger=mine, student=student)
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("out-node", "server"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    card = (tmp_path / "out-node" / "README.md").read_text()
+    assert "client **client1**'s personalized messenger" in card and "Exported on the node" in card
+    info = __import__("json").loads((tmp_path / "out-node" / "ciders_export.json").read_text())
+    assert info["client"] == "client1" and info["record_round"] == 0

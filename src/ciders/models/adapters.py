@@ -143,8 +143,10 @@ def save_adapter(
     layer_indices: Iterable[int],
     base_model: str | None,
     meta: dict | None = None,
+    readme: str | None = None,
 ) -> Path:
-    """Write a standard PEFT adapter directory atomically (replacing any previous one)."""
+    """Write a standard PEFT adapter directory atomically (replacing any previous one); `readme`: its README.md
+    (which layers of which model it targets)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -153,6 +155,8 @@ def save_adapter(
         save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
         peft_lora_config(cfg, layer_indices, base_model).save_pretrained(str(tmp))
         (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=2) + "\n", encoding="utf-8")
+        if readme:
+            (tmp / "README.md").write_text(readme, encoding="utf-8")
     return path
 
 

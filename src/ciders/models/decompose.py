@@ -184,17 +184,29 @@ class Decomposition:
     def save_messenger(self, path: str | Path, state: ad.State | None = None) -> Path:
         """Standard PEFT adapter over the ORIGINAL model's messenger layers."""
         self._need(self.messenger_lora, "messenger")
+        idx = list(self.split.messenger_indices)
         return ad.save_adapter(
             path, state if state is not None else self.messenger_state(), self.messenger_lora,
-            self.split.messenger_indices, self.model_name, meta=self._meta(MESSENGER),
+            idx, self.model_name, meta={**self._meta(MESSENGER), "targets": "base model", "layer_indices": idx},
+            readme=f"# CIDERS messenger LoRA\n\nTargets the base model `{self.model_name}` at its own layer indices "
+                   f"{idx} (its top {len(idx)} layers): it loads onto the base model with PEFT as it is.\n",
         )
 
     def save_student(self, path: str | Path, state: ad.State | None = None) -> Path:
         """Standard PEFT adapter over AdapEmu's layers 0..n'-1."""
         self._need(self.student_lora, "student")
+        s, n = self.split, self.split.student_layers
         return ad.save_adapter(
             path, state if state is not None else self.student_state(), self.student_lora,
-            range(self.split.student_layers), self.model_name, meta=self._meta(STUDENT),
+            range(n), self.model_name,
+            meta={**self._meta(STUDENT), "targets": "AdapEmu (B_L)", "layer_indices": list(range(n)),
+                  "base_layer_indices": list(s.student_indices)},
+            readme=f"# CIDERS student LoRA (the compressed backbone B_L)\n\nTargets **AdapEmu's** layers 0..{n - 1}, "
+                   f"which are B_L: the base model's layers {list(s.student_indices)} (a strided subsample of "
+                   f"`{self.model_name}`'s {s.n_layers}). Its layer indices are B_L's, not the base model's. "
+                   f"Loaded onto the base model it would land on the base model's layers 0..{n - 1}, the wrong "
+                   "ones. Load it onto AdapEmu (the compressed model `ciders export` writes, or "
+                   "`Decomposition.load_student`).\n",
         )
 
     def read_adapter(self, path: str | Path, part: str) -> ad.State:

@@ -3,7 +3,9 @@
 own data, the messenger loss. It never loads `model.name`: an edge device holds no full model.
 
 State directory layout (the node's `state-dir`):
-  edge/      the edge spec and, after the first round, model.safetensors: AdapEmu's base as an HF model
+  edge/      the edge spec and, after the first round, model.safetensors: AdapEmu's base as an HF model; also
+             the experiment's config (experiment.yaml) and the last student LoRA received (student.safetensors),
+             so that the node can export its personalized model by itself (`node_model`, `ciders export NODE`)
   store/     the client's round records (c_i, version, pending increment, personalized messenger)
   static/    components sent once besides the emulator (the student LoRA under FedOT / LocalOT)
 
@@ -25,7 +27,57 @@ from ciders.models import edge_spec as es
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.models.split import split_layers
 from ciders.runtime import DTYPES, resolve_device, resolve_dtype
+from ciders.fileio import write_text
 from ciders.workloads.client_side import ClientSide
+
+NODE_CONFIG, NODE_STUDENT = "experiment.yaml", "student.safetensors"  # in edge/
+
+
+def save_state(path: Path, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    from ciders.fileio import atomic_path
+
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp))
+
+
+def node_model(state: str | Path):
+    """What a node needs to export its personalized model by itself (`ciders export NODE_STATE_DIR`), with no
+    full model and no server: (EdgeDecomposition with the last student LoRA received loaded, tokenizer,
+    the experiment config, the personalized messenger, client id, the round of its record)."""
+    from safetensors.torch import load_file
+
+    from ciders.algorithms import ciders as alg
+    from ciders.config import loads_config
+    from ciders.core.store import RoundStore
+
+    state = Path(state)
+    edge = state / "edge"
+    for need, what in ((edge / es.WEIGHTS, "emulator weights"), (edge / NODE_CONFIG, "experiment config"),
+                       (edge / NODE_STUDENT, "student LoRA")):
+        if not need.is_file():
+            raise CidersError(f"{state}: this node holds no {what} yet ({need} is missing): it exports after "
+                              "its first trained round")
+    cfg = loads_config((edge / NODE_CONFIG).read_text(encoding="utf-8"), str(edge / NODE_CONFIG))
+    keys = sorted(p.name for p in (state / "store").iterdir() if p.is_dir()) if (state / "store").is_dir() else []
+    if len(keys) != 1:
+        raise CidersError(f"{state}/store: expected one client's records, found {keys or 'none'}")
+    cid = keys[0]
+    rounds = sorted(int(p.name[1:9]) for p in (state / "store" / cid).glob("r*.safetensors"))
+    rec = RoundStore(state / "store", rounds[-1] if rounds else -1).get(cid)
+    st = alg.client_from_record(*rec) if rec else None
+    if st is None or st.personalized is None:
+        raise CidersError(f"{state}: {cid} keeps no personalized messenger (algorithm {cfg.algorithm.name})")
+    meta = json.loads((edge / es.META).read_text(encoding="utf-8"))
+    from transformers import AutoTokenizer
+
+    dev = resolve_device(cfg.model.device)
+    model, _ = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation)
+    d = me.edge_decompose(model, es.split_of(meta), cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
+    d.load_student(load_file(str(edge / NODE_STUDENT)))
+    tok = AutoTokenizer.from_pretrained(str(edge))
+    return d, tok, cfg, st.personalized, cid, rounds[-1]
 
 
 class EdgeTask(ClientSide):
@@ -33,10 +85,16 @@ class EdgeTask(ClientSide):
                  log=print):
         from transformers import AutoTokenizer
 
+        from ciders.config import dump_yaml
+
         self.cfg, self.cid, self.log = cfg, cid, log
         self.edge_dir = Path(state) / "edge"
         if not es.held_digest(self.edge_dir):
             raise PayloadError(f"{cid} holds no edge spec ({self.edge_dir}); the server sends it at first contact")
+        text = dump_yaml(cfg)
+        held = self.edge_dir / NODE_CONFIG
+        if not held.is_file() or held.read_text(encoding="utf-8") != text:
+            write_text(held, text)
         meta = json.loads((self.edge_dir / es.META).read_text(encoding="utf-8"))
         self.wire_dtype = DTYPES.get(str(meta.get("emulator_dtype")))  # the emulator's download dtype
         split = es.split_of(meta)
@@ -102,5 +160,6 @@ class EdgeTask(ClientSide):
                                "missing); they are sent again after this failed round")
         if "student" in downlink_extra:
             self.d.load_student(downlink_extra["student"])
+            save_state(self.edge_dir / NODE_STUDENT, self.d.student_state())  # for an on-device export
         self._hidden.clear()  # B_L may have changed
         self.d.messenger_top.train()  # LoRA dropout during client steps
