@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/submodel_cost.py
 	$(BIN)/python benchmarks/edge_download.py
 	$(BIN)/python benchmarks/edge_client.py
+	$(BIN)/python benchmarks/edge_export.py
 
 # The CPU-scale Protocol A and B comparisons of docs/results-cpu.md (about 2 hours on 2 cores), with reports.
 cpu-protocols: $(STAMP)

@@ -96,3 +96,35 @@ def test_the_step_dtype_rule():
     assert step_compute_dtype("fd", "fd", f32) is None  # already fp32
     assert step_compute_dtype("fd", "exact", bf) is None  # double backward has no cancellation
     assert step_compute_dtype("fo", "fd", bf) is None  # no Hessian-vector product at all
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_the_head_runs_only_where_the_loss_reads_and_the_loss_is_unchanged(name):
+    """The LM head sees only the positions some row's next token is a response token at; loss and gradient
+    equal the full-logits CE (eval.metrics.token_nll over every position) to float tolerance."""
+    from ciders.eval.metrics import token_nll
+    from ciders.models.messenger_loss import loss_positions
+
+    d, batch = setup(torch.float32, name)
+    loss = MessengerLoss(d)
+    x = d.messenger_state()
+    keep = loss_positions(batch["labels"])
+    T = batch["labels"].shape[1]
+    assert 0 < len(keep) < T - 1  # the prompts are left out
+    rows = []
+    hook = d.messenger_top.lm_head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
+    try:
+        got, g_got = grad_of(loss, x, batch)
+    finally:
+        hook.remove()
+    assert rows == [len(keep)]
+
+    def full(p, b):
+        nll, n = token_nll(loss.logits(p, b), b["labels"])
+        return nll / n
+
+    want, g_want = grad_of(full, x, batch)
+    assert abs(float(got) - float(want)) < 1e-5 * abs(float(want))
+    assert rel(g_got, g_want) < 1e-5
+    none = dict(batch, labels=torch.full_like(batch["labels"], -100))
+    assert float(loss(x, none)) == 0.0  # no target token: no loss, no error

@@ -11,15 +11,21 @@ Hessian-vector product divides a gradient difference by a probe of length ~1e-4,
 gradient (8 significant bits) cannot resolve (docs/method.md#eq-7-finite-difference-meta-gradient-fd).
 The copy is made on first use and again whenever a source weight changes (a new emulator load); it costs
 the messenger layers, the norm and the head in the compute dtype (the tied head is the embedding matrix).
+
+The LM head runs only at the positions the loss reads: those t where some row's next token labels[:, t+1] is a
+response token (`loss_positions`). This goes through transformers' `logits_to_keep`. The head is a V-way matmul
+(49,152 for SmolLM2) and dominates the messenger's cost, while prompts are often longer than responses. The loss
+equals the full-logits one to float tolerance (tests/models/test_messenger_loss.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call
 
 from ciders.core.tensors import State
-from ciders.eval.metrics import token_nll
+from ciders.tasks.text import IGNORE
 from ciders.models.decompose import MESSENGER, Decomposition
 
 
@@ -47,12 +53,14 @@ class MessengerLoss:
                 self._cast = (key, {n: p.detach().to(dt) for n, p in src.items()})
         return self._cast[1]
 
-    def logits(self, params: State, batch: dict) -> torch.Tensor:
+    def logits(self, params: State, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, V] logits, or [B, len(keep), V] at sequence positions `keep` only."""
         model = self.d.messenger_top
         hidden = batch["hidden"]
         if self.compute_dtype is not None:
             hidden = hidden.to(self.compute_dtype)
-        args = {"inputs_embeds": hidden, "attention_mask": batch["attention_mask"]}
+        args = {"inputs_embeds": hidden, "attention_mask": batch["attention_mask"],
+                "logits_to_keep": 0 if keep is None else keep}  # 0: every position
         weights = dict(self.base_weights())
         weights.update({self.names[k]: v for k, v in params.items()})
         devices = [hidden.device] if hidden.device.type == "cuda" else []
@@ -61,8 +69,17 @@ class MessengerLoss:
             return functional_call(model, weights, args=(), kwargs=args).logits
 
     def __call__(self, params: State, batch: dict) -> torch.Tensor:
-        nll, n = token_nll(self.logits(params, batch), batch["labels"])
-        return nll / max(n, 1)
+        """Mean CE over response tokens: position t predicts labels[:, t + 1] (as `eval.metrics.token_nll`)."""
+        keep = loss_positions(batch["labels"])
+        lg = self.logits(params, batch, keep).float()  # [B, len(keep), V]
+        tg = batch["labels"][:, keep + 1]
+        nll = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1), ignore_index=IGNORE, reduction="sum")
+        return nll / max(int((tg != IGNORE).sum()), 1)
+
+
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions t whose next token labels[:, t + 1] is a target in at least one row, ascending: [P]."""
+    return (labels[:, 1:] != IGNORE).any(0).nonzero().squeeze(1)
 
 
 def step_compute_dtype(metagrad: str, hvp: str, base: torch.dtype) -> torch.dtype | None:

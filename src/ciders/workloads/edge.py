@@ -17,6 +17,7 @@ out of the experiment's data as the in-process engine does (simulation and bench
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ciders.config import ExperimentConfig
@@ -64,7 +65,8 @@ def node_model(state: str | Path):
     if len(keys) != 1:
         raise CidersError(f"{state}/store: expected one client's records, found {keys or 'none'}")
     cid = keys[0]
-    rounds = sorted(int(p.name[1:9]) for p in (state / "store" / cid).glob("r*.safetensors"))
+    rounds = sorted(int(m.group(1)) for p in (state / "store" / cid).iterdir()
+                    if (m := re.fullmatch(r"r(\d{8})\.safetensors", p.name)))
     rec = RoundStore(state / "store", rounds[-1] if rounds else -1).get(cid)
     st = alg.client_from_record(*rec) if rec else None
     if st is None or st.personalized is None:
