@@ -10,6 +10,12 @@ Within a round B_L is frozen, so the floors are FO = B + 2M and FD = B + 4M; an 
 reran the backbone per gradient evaluation would sit near 2x and 4x of (i) instead. Measurements are
 interleaved and the medians of `--repeats` runs are reported.
 
+`mfu`: the plain step's achieved FLOP/s over that of one matmul of the model's MLP shape ([tokens, hidden] x
+[hidden, intermediate], same dtype and device), measured in the same run. The step's FLOPs are counted from the
+shapes: every Linear's forward and its input gradient, 2 x 2 x tokens x in x out (the frozen base needs no
+weight gradient; LoRA's are included as Linears), plus attention scores and values, forward and twice that
+backward (3 x 4 x B x heads x T^2 x head_dim per layer).
+
     python benchmarks/client_step.py [--model smollm2-135m] [--json]
 """
 
@@ -73,16 +79,28 @@ def main() -> None:
             alg.client_update(cfgs[kind], bc, client, loss, [dict(batch, hidden=h)])
         return run
 
-    fns = {"plain": plain, "B": backbone, "M": messenger, "fo": step("fo"), "fd": step("fd")}
+    tokens = b["input_ids"].numel()
+    c = d.adapemu.config
+    x_mm = torch.randn(tokens, c.hidden_size, device=d.device, dtype=d.base.dtype)
+    w_mm = torch.randn(c.hidden_size, c.intermediate_size, device=d.device, dtype=d.base.dtype)
+
+    def matmul():
+        for _ in range(10):
+            x_mm @ w_mm
+
+    fns = {"plain": plain, "B": backbone, "M": messenger, "fo": step("fo"), "fd": step("fd"), "matmul": matmul}
     for _ in range(2):  # warm-up
         for f in fns.values():
             f()
     med = interleaved_medians(fns, a.repeats, sync)
     floor_fo, floor_fd = med["B"] + 2 * med["M"], med["B"] + 4 * med["M"]
+    peak = 10 * 2 * tokens * c.hidden_size * c.intermediate_size / med["matmul"]
+    achieved = plain_flops(d, b["input_ids"].shape) / med["plain"]
     res = {"model": a.model, "device": str(d.device), "dtype": str(d.base.dtype).replace("torch.", ""),
            "batch": [a.batch_size, int(b["input_ids"].shape[1])], "seconds": med,
            "fo_over_plain": med["fo"] / med["plain"], "fd_over_plain": med["fd"] / med["plain"],
-           "fo_over_floor": med["fo"] / floor_fo, "fd_over_floor": med["fd"] / floor_fd}
+           "fo_over_floor": med["fo"] / floor_fo, "fd_over_floor": med["fd"] / floor_fd,
+           "plain_gflops_per_s": achieved / 1e9, "matmul_gflops_per_s": peak / 1e9, "mfu": achieved / peak}
     if a.json:
         print(json.dumps(res))
         return
@@ -95,6 +113,20 @@ def main() -> None:
     print(f"  {'      M  (messenger fwd+bwd)':<34}{med['M']:>9.4f}{med['M'] / med['plain']:>9.2f}")
     print(f"  {'(ii)  CIDERS-FO step  (B + 2M)':<34}{med['fo']:>9.4f}{res['fo_over_plain']:>9.2f}{res['fo_over_floor']:>9.2f}")
     print(f"  {'(iii) CIDERS-FD step  (B + 4M)':<34}{med['fd']:>9.4f}{res['fd_over_plain']:>9.2f}{res['fd_over_floor']:>9.2f}")
+    print(f"  plain step {res['plain_gflops_per_s']:.1f} GFLOP/s against a matmul's {res['matmul_gflops_per_s']:.1f}: "
+          f"mfu {res['mfu']:.2f}")
+
+
+def plain_flops(d, shape) -> float:
+    """FLOPs of one plain LoRA step on AdapEmu (see the module docstring), from the shapes alone."""
+    from torch import nn
+
+    batch, T = shape
+    c = d.adapemu.config
+    linear = sum(m.in_features * m.out_features for m in d.adapemu.modules() if isinstance(m, nn.Linear))
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn = 4 * batch * c.num_attention_heads * T * T * hd * c.num_hidden_layers
+    return 2 * 2 * batch * T * linear + 3 * attn
 
 
 if __name__ == "__main__":
