@@ -44,3 +44,38 @@ def test_nll_matrix_cells_are_each_messengers_perplexity():
     assert out["cells"]["y"]["x"]["nll"] == pytest.approx(want)
     assert out["cells"]["x"]["x"]["examples"] == 2 and out["cells"]["x"]["y"]["tokens"] > 0
     assert out["delta_cross"] == pytest.approx(cross_gap(out["cells"])["delta_cross"])
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_perplexity_runs_the_head_only_where_a_target_follows_and_is_unchanged(name):
+    import torch
+
+    from ciders.eval.metrics import perplexity, target_positions, token_nll
+    from ciders.tasks.text import collate
+    from helpers import random_features
+
+    d = decompose(load_model(name), 2, drop_ratio=0.5)
+    randomize_lora(d)
+    b = collate(random_features(n=4, seed=3), 257)
+    rows = []
+    hook = d.adapemu.lm_head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
+    try:
+        got = perplexity(d.adapemu, [b])
+    finally:
+        hook.remove()
+    assert rows == [len(target_positions(b["labels"]))]
+    one = {k: v[:1] for k, v in b.items()}
+    assert 0 < len(target_positions(one["labels"])) < one["input_ids"].shape[1] - 1  # its prompt is left out
+    with torch.no_grad():
+        nll, n = token_nll(d.adapemu(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+    assert got["tokens"] == n and abs(got["nll"] - float(nll) / n) < 1e-6 * abs(float(nll) / n)
+
+    class Plain(torch.nn.Module):  # a forward without logits_to_keep: every position, as before
+        def __init__(self):
+            super().__init__()
+            self.m = d.adapemu
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask)
+
+    assert abs(perplexity(Plain(), [b])["nll"] - got["nll"]) < 1e-6 * got["nll"]

@@ -21,17 +21,44 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     return nll, int((tg != IGNORE).sum())
 
 
-@torch.no_grad()
+def target_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions t whose next token labels[:, t + 1] is a target in at least one row, ascending: [P]."""
+    return (labels[:, 1:] != IGNORE).any(0).nonzero().squeeze(1)
+
+
+def token_nll_at(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`token_nll` from the logits at positions `keep` only ([B, P, V], `target_positions`): the same sum."""
+    tg = labels[:, keep + 1]
+    lg = logits.float()
+    nll = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return nll, int((tg != IGNORE).sum())
+
+
+def keeps_logits(model: nn.Module) -> bool:
+    """Whether `model`'s forward takes transformers' `logits_to_keep` (or passes keywords on, as PEFT's does)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "logits_to_keep" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+@torch.inference_mode()
 def perplexity(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict:
-    """Corpus perplexity exp(sum NLL / target tokens), with the token count it is over."""
+    """Corpus perplexity exp(sum NLL / target tokens), with the token count it is over. The LM head runs only at
+    the positions a target follows (`target_positions`) where the model takes `logits_to_keep`."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    keep_ok = keeps_logits(model)
     for b in batches:
         if b["input_ids"].numel() == 0:
             continue
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-        nll, n = token_nll(out.logits, b["labels"])
+        if keep_ok:
+            keep = target_positions(b["labels"])
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=keep)
+            nll, n = token_nll_at(out.logits, b["labels"], keep)
+        else:
+            nll, n = token_nll(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
         total += float(nll)
         count += n
     model.train(was_training)

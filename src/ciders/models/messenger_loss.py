@@ -21,11 +21,11 @@ equals the full-logits one to float tolerance (tests/models/test_messenger_loss.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from ciders.core.tensors import State
-from ciders.tasks.text import IGNORE
+from ciders.eval.metrics import target_positions as loss_positions
+from ciders.eval.metrics import token_nll_at
 from ciders.models.decompose import MESSENGER, Decomposition
 
 
@@ -71,15 +71,8 @@ class MessengerLoss:
     def __call__(self, params: State, batch: dict) -> torch.Tensor:
         """Mean CE over response tokens: position t predicts labels[:, t + 1] (as `eval.metrics.token_nll`)."""
         keep = loss_positions(batch["labels"])
-        lg = self.logits(params, batch, keep).float()  # [B, len(keep), V]
-        tg = batch["labels"][:, keep + 1]
-        nll = F.cross_entropy(lg.reshape(-1, lg.size(-1)), tg.reshape(-1), ignore_index=IGNORE, reduction="sum")
-        return nll / max(int((tg != IGNORE).sum()), 1)
-
-
-def loss_positions(labels: torch.Tensor) -> torch.Tensor:
-    """The positions t whose next token labels[:, t + 1] is a target in at least one row, ascending: [P]."""
-    return (labels[:, 1:] != IGNORE).any(0).nonzero().squeeze(1)
+        nll, n = token_nll_at(self.logits(params, batch, keep), batch["labels"], keep)  # logits [B, len(keep), V]
+        return nll / max(n, 1)
 
 
 def step_compute_dtype(metagrad: str, hvp: str, base: torch.dtype) -> torch.dtype | None:
