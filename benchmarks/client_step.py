@@ -121,11 +121,13 @@ def plain_flops(d, shape) -> float:
     """FLOPs of one plain LoRA step on AdapEmu (see the module docstring), from the shapes alone."""
     from torch import nn
 
+    from ciders.models.load import attention_shape
+
     batch, T = shape
     c = d.adapemu.config
     linear = sum(m.in_features * m.out_features for m in d.adapemu.modules() if isinstance(m, nn.Linear))
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    attn = 4 * batch * c.num_attention_heads * T * T * hd * c.num_hidden_layers
+    heads, _, hd = attention_shape(c)
+    attn = 4 * batch * heads * T * T * hd * c.num_hidden_layers
     return 2 * 2 * batch * T * linear + 3 * attn
 
 

@@ -67,6 +67,8 @@ def test_simulation_equals_in_process(tiny, tmp_path, method):
     assert main(["run", str(tiny), "--out", str(tmp_path / "sim"), "--engine", "flower-sim", *args]) == 0
     assert_same_run(tmp_path / "local", tmp_path / "sim")
     assert not (tmp_path / "sim" / "clients").exists()  # client state lives with the clients
+    log = (tmp_path / "sim" / "server.log").read_text()  # the ServerApp's log, kept in the run directory
+    assert "evaluating before the first round" in log and log.splitlines()[0][2] == ":", log[:300]
     if method == "fedot":
         rows = [r for r in read_jsonl(tmp_path / "sim" / "metrics.jsonl") if r["event"] == "round"]
         seen, first = set(), []  # a round sends the static B_L iff one of its clients is contacted first

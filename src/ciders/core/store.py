@@ -36,7 +36,8 @@ class RoundStore:
             raise ValueError(f"store key {key!r} must be [A-Za-z0-9_.-]+")
         return self.root / key
 
-    def _rounds(self, key: str) -> list[int]:
+    def rounds(self, key: str) -> list[int]:
+        """The rounds of `key`'s records on disk, ascending (committed or not)."""
         d = self._dir(key)
         if not d.is_dir():
             return []
@@ -47,7 +48,7 @@ class RoundStore:
         if hit is not None and hit[0] <= self.horizon:
             self._cache.move_to_end(key)
             return hit[1], hit[2]
-        rounds = [r for r in self._rounds(key) if r <= self.horizon]
+        rounds = [r for r in self.rounds(key) if r <= self.horizon]
         if not rounds:
             return None
         from safetensors import safe_open
@@ -81,7 +82,7 @@ class RoundStore:
         self.committed = round_
         self.horizon = round_ + 1
         for key in keys if keys is not None else self.keys():
-            for r in self._rounds(key)[:-1]:
+            for r in self.rounds(key)[:-1]:
                 (self._dir(key) / f"r{r:08d}.safetensors").unlink(missing_ok=True)
 
     def recover(self, committed: int) -> int:
@@ -92,7 +93,7 @@ class RoundStore:
         n = 0
         remove_leftovers(self.root)
         for key in self.keys():
-            rounds = self._rounds(key)
+            rounds = self.rounds(key)
             for r in rounds:
                 if r > committed:
                     (self._dir(key) / f"r{r:08d}.safetensors").unlink()

@@ -81,8 +81,8 @@ def export_edge_model(
         elif fmt == "onnx":
             from ciders.models.onnx_export import write_onnx
 
-            info["onnx"] = write_onnx(model, tmp)
             model.config.save_pretrained(str(tmp))  # the architecture, for readers that want it
+            info["onnx"] = write_onnx(model, tmp)  # converts `model`, this export's own copy, in place
         else:
             from ciders.models.gguf_export import FILE, write_gguf
 

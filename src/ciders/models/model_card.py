@@ -21,7 +21,7 @@ def _quality(summary: dict | None, client: str | None, on_node: bool) -> list[st
     row("global messenger, final", "global eval set", after.get("global"))
     if client:
         mine = (after.get("clients") or {}).get(client) or {}
-        row(f"global messenger, final", f"{client}'s held-out data", mine.get("global"))
+        row("global messenger, final", f"{client}'s held-out data", mine.get("global"))
         row(f"{client}'s personalized messenger (this export)", f"{client}'s held-out data", mine.get("personalized"))
         if "personalized" not in mine:
             rows.append(f"\nThe run recorded no personalized evaluation for {client}.")
@@ -64,6 +64,6 @@ def model_card(info: dict, cfg, summary: dict | None, client: str | None) -> str
         "## Training data", "", *data_lines, "",
         "## Measured quality", "", *_quality(summary, client, "node_state_dir" in info), "",
         "## Run it", "",
-        "See the ciders documentation, docs/edge.md, section \"Run an exported model on a device\".", "",
+        "See the ciders documentation, docs/edge.md, section \"Running the personalized model on a device\".", "",
     ]
     return "\n".join(lines)

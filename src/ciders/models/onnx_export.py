@@ -1,7 +1,7 @@
-"""ONNX export of a merged edge model, with its KV cache as explicit inputs and outputs (docs/edge.md#onnx).
+"""ONNX export of a merged edge model, with its KV cache as explicit inputs and outputs (docs/edge.md, "ONNX: onnxruntime with a KV cache").
 
 One graph serves both prefill and decoding. It is traced with the TorchScript exporter in float32 with eager
-attention, which gives the plain MatMul/Softmax ops every onnxruntime build runs.
+attention: plain MatMul and Softmax (a traced sdpa gives the same ops plus an IsNaN guard).
 
   inputs   input_ids       [batch, seq]                         int64
            attention_mask  [batch, past + seq]                  int64 (1 = attend)
@@ -18,7 +18,6 @@ with numpy and onnxruntime only.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 
@@ -26,14 +25,6 @@ import torch
 from torch import nn
 
 GRAPH, DATA = "model.onnx", "model.onnx.data"
-
-
-def cache_shape(config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder config."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv, hd
 
 
 def io_names(n_layers: int) -> tuple[list[str], list[str]]:
@@ -65,14 +56,17 @@ class _Step(nn.Module):
 
 def write_onnx(model: nn.Module, out_dir: Path, opset: int = 17) -> dict:
     """Write `model` (a merged HF causal LM, e.g. from `export.merged_copy`) as out_dir/model.onnx plus
-    model.onnx.data. Returns the graph's I/O description (recorded in ciders_export.json)."""
+    model.onnx.data. Returns the graph's I/O description (recorded in ciders_export.json). The model is
+    converted in place (CPU, float32, eager attention): pass a copy you own."""
     import warnings
 
     import onnx
 
-    m = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
-    m.config._attn_implementation = "eager"  # plain ops; sdpa traces to a graph some runtimes lack
-    n, kv, hd = cache_shape(m.config)
+    from ciders.models.load import attention_shape
+
+    m = model.to(device="cpu", dtype=torch.float32).eval()
+    m.config._attn_implementation = "eager"  # MatMul + Softmax; traced sdpa is the same ops plus an IsNaN guard
+    n, (_, kv, hd) = m.config.num_hidden_layers, attention_shape(m.config)
     ins, outs = io_names(n)
     # trace shapes: 3 cached positions, 4 new ones (all axes below are dynamic)
     past = [torch.zeros(1, kv, 3, hd) for _ in range(2 * n)]

@@ -1,5 +1,5 @@
 """Run an exported ONNX edge model on a device with numpy and onnxruntime only: no PyTorch, no transformers
-(docs/edge.md#run-it-on-the-device). Its tokenizer is the export's tokenizer.json; read it with the `tokenizers`
+(docs/edge.md, "ONNX: onnxruntime with a KV cache"). Its tokenizer is the export's tokenizer.json; read it with the `tokenizers`
 package (a Rust wheel, no torch).
 
     from ciders.models.onnx_run import EdgeSession

@@ -17,7 +17,6 @@ out of the experiment's data as the in-process engine does (simulation and bench
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from ciders.config import ExperimentConfig
@@ -27,20 +26,26 @@ from ciders.models import edge as me
 from ciders.models import edge_spec as es
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.models.split import split_layers
-from ciders.runtime import DTYPES, resolve_device, resolve_dtype
+from ciders.federation.rounds import StaticHolder
 from ciders.fileio import write_text
+from ciders.runtime import DTYPES, resolve_device, resolve_dtype
 from ciders.workloads.client_side import ClientSide
 
 NODE_CONFIG, NODE_STUDENT = "experiment.yaml", "student.safetensors"  # in edge/
 
 
-def save_state(path: Path, state: dict) -> None:
-    from safetensors.torch import save_file
+def _edge_model(cfg: ExperimentConfig, edge: Path, meta: dict):
+    """AdapEmu from the node's edge directory (models.edge), with the experiment's LoRA: (decomposition,
+    tokenizer with a pad token, whether the emulator weights are real)."""
+    from transformers import AutoTokenizer
 
-    from ciders.fileio import atomic_path
-
-    with atomic_path(path) as tmp:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp))
+    dev = resolve_device(cfg.model.device)
+    model, loaded = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation)
+    d = me.edge_decompose(model, es.split_of(meta), cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
+    tok = AutoTokenizer.from_pretrained(str(edge))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return d, tok, loaded
 
 
 def node_model(state: str | Path):
@@ -65,28 +70,21 @@ def node_model(state: str | Path):
     if len(keys) != 1:
         raise CidersError(f"{state}/store: expected one client's records, found {keys or 'none'}")
     cid = keys[0]
-    rounds = sorted(int(m.group(1)) for p in (state / "store" / cid).iterdir()
-                    if (m := re.fullmatch(r"r(\d{8})\.safetensors", p.name)))
-    rec = RoundStore(state / "store", rounds[-1] if rounds else -1).get(cid)
+    store = RoundStore(state / "store")
+    rounds = store.rounds(cid)
+    store = RoundStore(state / "store", rounds[-1] if rounds else -1)  # its newest record, committed or not
+    rec = store.get(cid)
     st = alg.client_from_record(*rec) if rec else None
     if st is None or st.personalized is None:
         raise CidersError(f"{state}: {cid} keeps no personalized messenger (algorithm {cfg.algorithm.name})")
-    meta = json.loads((edge / es.META).read_text(encoding="utf-8"))
-    from transformers import AutoTokenizer
-
-    dev = resolve_device(cfg.model.device)
-    model, _ = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation)
-    d = me.edge_decompose(model, es.split_of(meta), cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
+    d, tok, _ = _edge_model(cfg, edge, json.loads((edge / es.META).read_text(encoding="utf-8")))
     d.load_student(load_file(str(edge / NODE_STUDENT)))
-    tok = AutoTokenizer.from_pretrained(str(edge))
     return d, tok, cfg, st.personalized, cid, rounds[-1]
 
 
 class EdgeTask(ClientSide):
     def __init__(self, cfg: ExperimentConfig, state: str | Path, cid: str, data_file: str | Path | None = None,
                  log=print):
-        from transformers import AutoTokenizer
-
         from ciders.config import dump_yaml
 
         self.cfg, self.cid, self.log = cfg, cid, log
@@ -103,13 +101,7 @@ class EdgeTask(ClientSide):
         mine = split_layers(split.n_layers, cfg.decomposition.messenger_layers, **cfg.decomposition.split_kwargs())
         if mine != split:
             raise CidersError(f"the edge spec's split {split} is not the experiment's {mine}")
-        dev = resolve_device(cfg.model.device)
-        model, self.loaded = me.load_edge(self.edge_dir, dev, resolve_dtype(cfg.model.dtype, dev),
-                                          cfg.model.attn_implementation)
-        self.d = me.edge_decompose(model, split, cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
-        self.tok = AutoTokenizer.from_pretrained(str(self.edge_dir))
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
+        self.d, self.tok, self.loaded = _edge_model(cfg, self.edge_dir, meta)
         self.pad = self.tok.pad_token_id
         nodes = cfg.federation.partition == "nodes"
         if nodes != bool(data_file):
@@ -162,6 +154,6 @@ class EdgeTask(ClientSide):
                                "missing); they are sent again after this failed round")
         if "student" in downlink_extra:
             self.d.load_student(downlink_extra["student"])
-            save_state(self.edge_dir / NODE_STUDENT, self.d.student_state())  # for an on-device export
+            StaticHolder(self.edge_dir).save("student", self.d.student_state())  # NODE_STUDENT, for an export
         self._hidden.clear()  # B_L may have changed
         self.d.messenger_top.train()  # LoRA dropout during client steps
