@@ -3,12 +3,17 @@ docs/method.md#eq-4-the-consensus-corrected-local-step):
 
   (i)   plain PEFT LoRA step: full AdapEmu forward + backward + AdamW (what a FedOT client does)
   (ii)  CIDERS-FO step: B_L(x) once, look-ahead gradient + meta-gradient on the messenger, AdamW
-  (iii) CIDERS-FD step: as (ii) plus the two central-difference probes
-  pieces: B = one no-grad B_L forward;  M = one messenger + head forward + backward
+  (iii) CIDERS-FD step, algorithm.hvp: exact (the default): (ii) with the gradient at x_k taken with its graph
+        kept, and one double backward through it for Hv
+  (iv)  CIDERS-FD step, algorithm.hvp: fd: (ii) plus the two central-difference probes
+  pieces: B = one no-grad B_L forward;  M = one messenger + head forward + backward;
+          D = one forward, a backward with create_graph and the double backward (`exact_hvp` alone)
 
-Within a round B_L is frozen, so the floors are FO = B + 2M and FD = B + 4M; an implementation that
-reran the backbone per gradient evaluation would sit near 2x and 4x of (i) instead. Measurements are
-interleaved and the medians of `--repeats` runs are reported.
+Within a round B_L is frozen, so the floors are FO = B + 2M, FD-exact = B + M + D (the forward at x_k is shared
+by the first gradient and the product) and FD-probes = B + 4M; an implementation that reran the backbone per
+gradient evaluation would sit near 2x and 4x of (i) instead. Measurements are interleaved and the medians of
+`--repeats` runs are reported. `fd_over_plain` is the default (exact) FD step's; `fd_probes_over_plain` the
+other's. Peak memory: the process's peak RSS during one call of each (CPU; CUDA: the allocator's peak).
 
 `mfu`: the plain step's achieved FLOP/s over that of one matmul of the model's MLP shape ([tokens, hidden] x
 [hidden, intermediate], same dtype and device), measured in the same run. The step's FLOPs are counted from the
@@ -28,10 +33,11 @@ import torch
 
 from ciders.algorithms import ciders as alg
 from ciders.algorithms.ciders import grad_of
+from ciders.core.metagrad import exact_hvp
 from ciders.config import CidersConfig
 from ciders.models.messenger_loss import MessengerLoss
 from ciders.tasks.text import collate
-from common import interleaved_medians, parser, setup
+from common import interleaved_medians, parser, peak_memory_mib, setup
 
 
 def main() -> None:
@@ -44,7 +50,8 @@ def main() -> None:
     b = collate(feats, tok.pad_token_id, d.device)
     loss = MessengerLoss(d)
     base = CidersConfig(local_steps=1, lr=1e-4, eta_in=1e-4, gamma=0.01, alpha=0.002, tau=0.02)
-    cfgs = {"fo": replace(base, metagrad="fo"), "fd": replace(base, metagrad="fd")}
+    cfgs = {"fo": replace(base, metagrad="fo"), "fd": replace(base, metagrad="fd", hvp="exact"),
+            "fd_probes": replace(base, metagrad="fd", hvp="fd")}
     msg = d.messenger_state()
     server = alg.init_server(msg, 10)
     bc = alg.make_broadcast(base, server, alg.init_copy(msg))
@@ -73,6 +80,9 @@ def main() -> None:
     def messenger():
         grad_of(loss, msg, batch)
 
+    def double():
+        exact_hvp(loss, msg, msg, batch)
+
     def step(kind):
         def run():
             h = backbone()
@@ -88,31 +98,39 @@ def main() -> None:
         for _ in range(10):
             x_mm @ w_mm
 
-    fns = {"plain": plain, "B": backbone, "M": messenger, "fo": step("fo"), "fd": step("fd"), "matmul": matmul}
+    fns = {"plain": plain, "B": backbone, "M": messenger, "D": double, "fo": step("fo"), "fd": step("fd"),
+           "fd_probes": step("fd_probes"), "matmul": matmul}
     for _ in range(2):  # warm-up
         for f in fns.values():
             f()
     med = interleaved_medians(fns, a.repeats, sync)
-    floor_fo, floor_fd = med["B"] + 2 * med["M"], med["B"] + 4 * med["M"]
-    peak = 10 * 2 * tokens * c.hidden_size * c.intermediate_size / med["matmul"]
+    peak = {k: peak_memory_mib(fns[k], d.device) for k in ("plain", "fo", "fd", "fd_probes")}
+    floor_fo, floor_fd, floor_probes = med["B"] + 2 * med["M"], med["B"] + med["M"] + med["D"], med["B"] + 4 * med["M"]
+    mm_flops = 10 * 2 * tokens * c.hidden_size * c.intermediate_size / med["matmul"]
     achieved = plain_flops(d, b["input_ids"].shape) / med["plain"]
     res = {"model": a.model, "device": str(d.device), "dtype": str(d.base.dtype).replace("torch.", ""),
            "batch": [a.batch_size, int(b["input_ids"].shape[1])], "seconds": med,
            "fo_over_plain": med["fo"] / med["plain"], "fd_over_plain": med["fd"] / med["plain"],
+           "fd_probes_over_plain": med["fd_probes"] / med["plain"],
            "fo_over_floor": med["fo"] / floor_fo, "fd_over_floor": med["fd"] / floor_fd,
-           "plain_gflops_per_s": achieved / 1e9, "matmul_gflops_per_s": peak / 1e9, "mfu": achieved / peak}
+           "fd_probes_over_floor": med["fd_probes"] / floor_probes,
+           "plain_gflops_per_s": achieved / 1e9, "matmul_gflops_per_s": mm_flops / 1e9, "mfu": achieved / mm_flops,
+           "peak_mib": peak}
     if a.json:
         print(json.dumps(res))
         return
     s = d.split
     print(f"{a.model} on {d.device} ({res['dtype']}): AdapEmu = {s.student_layers} B_L + {s.messenger_layers} messenger "
           f"layers; batch {res['batch'][0]} x {res['batch'][1]} tokens; medians of {a.repeats}")
-    print(f"  {'measurement':<34}{'seconds':>9}{'/ plain':>9}{'/ floor':>9}")
-    print(f"  {'(i)   plain PEFT LoRA step':<34}{med['plain']:>9.4f}{1.0:>9.2f}")
-    print(f"  {'      B  (no-grad B_L forward)':<34}{med['B']:>9.4f}{med['B'] / med['plain']:>9.2f}")
-    print(f"  {'      M  (messenger fwd+bwd)':<34}{med['M']:>9.4f}{med['M'] / med['plain']:>9.2f}")
-    print(f"  {'(ii)  CIDERS-FO step  (B + 2M)':<34}{med['fo']:>9.4f}{res['fo_over_plain']:>9.2f}{res['fo_over_floor']:>9.2f}")
-    print(f"  {'(iii) CIDERS-FD step  (B + 4M)':<34}{med['fd']:>9.4f}{res['fd_over_plain']:>9.2f}{res['fd_over_floor']:>9.2f}")
+    print(f"  {'measurement':<38}{'seconds':>9}{'/ plain':>9}{'/ floor':>9}{'peak MiB':>10}")
+    rows = [("(i)   plain PEFT LoRA step", "plain", None), ("      B  (no-grad B_L forward)", "B", None),
+            ("      M  (messenger fwd+bwd)", "M", None), ("      D  (exact HVP alone)", "D", None),
+            ("(ii)  CIDERS-FO step (B + 2M)", "fo", floor_fo), ("(iii) FD, hvp exact (B + M + D)", "fd", floor_fd),
+            ("(iv)  FD, hvp fd (B + 4M)", "fd_probes", floor_probes)]
+    for label, k, floor in rows:
+        f = f"{med[k] / floor:>9.2f}" if floor else " " * 9
+        m = f"{peak[k]:>10.0f}" if k in peak else ""
+        print(f"  {label:<38}{med[k]:>9.4f}{med[k] / med['plain']:>9.2f}{f}{m}")
     print(f"  plain step {res['plain_gflops_per_s']:.1f} GFLOP/s against a matmul's {res['matmul_gflops_per_s']:.1f}: "
           f"mfu {res['mfu']:.2f}")
 

@@ -48,3 +48,27 @@ def interleaved_medians(fns: dict, repeats: int, sync) -> dict[str, float]:
             sync()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(t) for k, t in times.items()}
+
+
+def peak_memory_mib(fn, device) -> float:
+    """Peak memory while fn() runs, in MiB: on CUDA the allocator's peak; elsewhere the process's peak resident set
+    (Linux: /proc/self/clear_refs resets VmHWM to the current RSS first, so the figure is this call's own peak,
+    counting whatever the process already held; nan where the kernel offers neither)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        fn()
+        return float("nan")
+    fn()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

@@ -247,3 +247,21 @@ def test_r_fd_under_accumulation_is_the_ratio_of_the_step_not_the_largest_micro_
     step = norm(lincomb([(0.5, corrs[0]), (0.5, corrs[1])])) / norm(lincomb([(0.5, vs[0]), (0.5, vs[1])]))
     assert m["steps"][0]["r_fd"] == pytest.approx(step, rel=1e-9)
     assert abs(step - max(ratios)) > 1e-3 * step  # the test can tell the two rules apart
+
+
+@pytest.mark.parametrize("hvp,calls", [("exact", 2), ("fd", 4)])
+def test_an_fd_step_evaluates_the_loss_once_per_point(hvp, calls):
+    """Exact HVP: the forward at x_k serves the first gradient and the double backward (x_k and the look-ahead:
+    2 loss calls per micro-batch); FD probes: x_k, the look-ahead and the two probes (4)."""
+    c = cfg(local_steps=2, metagrad="fd", hvp=hvp, fd_eta=0.3)
+    fn = quad_clients()[0]
+    n = []
+
+    def counting(p, batch):
+        n.append(1)
+        return fn(p, batch)
+
+    server, copies, states, ids = setup()
+    b = alg.make_broadcast(c, server, copies[ids[0]])
+    _, _, m = alg.client_update(c, b, states[ids[0]], counting, [None, None])
+    assert len(n) == calls * 2 and len(m["steps"]) == 2

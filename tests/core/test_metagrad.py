@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ciders.core.metagrad import exact_hvp, fd_hvp, metagrad
+from ciders.core.metagrad import exact_grad_hvp, exact_hvp, fd_hvp, metagrad
 from ciders.core.tensors import norm
 from ciders.errors import CidersError
 
@@ -82,6 +82,31 @@ def test_exact_hvp_is_the_hessian_product_and_plugs_into_metagrad():
     w = fo(X0, ETA_IN)
     torch.testing.assert_close(g["x"], w - ETA_HVP * hessian(X0) @ w, rtol=1e-12, atol=1e-12)
     assert calls == [1] and info["hvp"] == "exact" and info["evals"] == 3
+
+
+def test_the_exact_product_shares_the_forward_at_x_k_with_the_first_gradient():
+    calls = []
+
+    def counting_loss(params, batch):
+        calls.append(1)
+        return loss_fn(params, batch)
+
+    def counting_grad(p):
+        calls.append(1)
+        return grad_fn(p)
+
+    g, info = metagrad(counting_grad, {"x": X0}, ETA_IN, "fd", eta_hvp=ETA_HVP,
+                       grad_hvp_fn=lambda x: exact_grad_hvp(counting_loss, x, None))
+    w = fo(X0, ETA_IN)
+    torch.testing.assert_close(g["x"], w - ETA_HVP * hessian(X0) @ w, rtol=1e-12, atol=1e-12)
+    # one forward at x_k (its graph kept for the product) and one at the look-ahead: 2 loss calls, not 3
+    assert len(calls) == 2 and info["hvp"] == "exact" and info["evals"] == 3
+    assert info["loss"] == pytest.approx(float(loss_of(X0)), rel=1e-12)
+    # the shared gradient is the gradient at x_k: the look-ahead moved from it
+    loss, g0, hvp = exact_grad_hvp(loss_fn, {"x": X0}, None)
+    torch.testing.assert_close(g0["x"], grad_fn({"x": X0})[1]["x"], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="not both"):
+        metagrad(grad_fn, {"x": X0}, ETA_IN, "fd", hvp_fn=lambda x, v: v, grad_hvp_fn=lambda x: None)
 
 
 def test_relative_probe_does_not_depend_on_the_scale_of_v():

@@ -39,7 +39,7 @@ from ciders.core import aggregate as agg
 from ciders.core import consensus as cs
 from ciders.core import optim
 from ciders.core.diagnostics import RoundStats
-from ciders.core.metagrad import exact_hvp, fd_class, metagrad
+from ciders.core.metagrad import exact_grad_hvp, fd_class, metagrad
 from ciders.core.schedules import gamma_at, lr_at
 from ciders.core.tensors import State, clone, digest, lincomb, norm, scale, zeros_like
 
@@ -246,9 +246,10 @@ class _Sums:
 
 
 def _hvp_kw(cfg: CidersConfig, loss_fn: LossFn, batch: Any) -> dict:
-    """algorithm.hvp: exact gives metagrad the double-backward product on this micro-batch."""
+    """algorithm.hvp: exact gives metagrad the double-backward product on this micro-batch, sharing the
+    forward at x_k with the step's first gradient (`exact_grad_hvp`)."""
     if cfg.metagrad == "fd" and cfg.hvp == "exact":
-        return {"hvp_fn": lambda x, v: exact_hvp(loss_fn, x, v, batch)}
+        return {"grad_hvp_fn": lambda x: exact_grad_hvp(loss_fn, x, batch)}
     return {}
 
 
