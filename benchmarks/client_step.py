@@ -13,7 +13,9 @@ Within a round B_L is frozen, so the floors are FO = B + 2M, FD-exact = B + M + 
 by the first gradient and the product) and FD-probes = B + 4M; an implementation that reran the backbone per
 gradient evaluation would sit near 2x and 4x of (i) instead. Measurements are interleaved and the medians of
 `--repeats` runs are reported. `fd_over_plain` is the default (exact) FD step's; `fd_probes_over_plain` the
-other's. Peak memory: the process's peak RSS during one call of each (CPU; CUDA: the allocator's peak).
+other's. Peak memory of one call of each: `peak_rss_mib`, the process's peak resident set (CUDA: the allocator's
+peak), which on CPU includes the model and whatever freed memory the allocator kept; and `peak_tensor_mib`, the
+tensor storage the call itself holds at once (activations, autograd's saved tensors, logits), counted op by op.
 
 `mfu`: the plain step's achieved FLOP/s over that of one matmul of the model's MLP shape ([tokens, hidden] x
 [hidden, intermediate], same dtype and device), measured in the same run. The step's FLOPs are counted from the
@@ -37,7 +39,7 @@ from ciders.core.metagrad import exact_hvp
 from ciders.config import CidersConfig
 from ciders.models.messenger_loss import MessengerLoss
 from ciders.tasks.text import collate
-from common import interleaved_medians, parser, peak_memory_mib, setup
+from common import interleaved_medians, parser, peak_memory_mib, peak_tensor_mib, setup
 
 
 def main() -> None:
@@ -104,7 +106,8 @@ def main() -> None:
         for f in fns.values():
             f()
     med = interleaved_medians(fns, a.repeats, sync)
-    peak = {k: peak_memory_mib(fns[k], d.device) for k in ("plain", "fo", "fd", "fd_probes")}
+    peak = {k: peak_memory_mib(fns[k], d.device) for k in ("plain", "M", "fo", "fd", "fd_probes")}
+    held = {k: peak_tensor_mib(fns[k]) for k in peak}
     floor_fo, floor_fd, floor_probes = med["B"] + 2 * med["M"], med["B"] + med["M"] + med["D"], med["B"] + 4 * med["M"]
     mm_flops = 10 * 2 * tokens * c.hidden_size * c.intermediate_size / med["matmul"]
     achieved = plain_flops(d, b["input_ids"].shape) / med["plain"]
@@ -115,21 +118,21 @@ def main() -> None:
            "fo_over_floor": med["fo"] / floor_fo, "fd_over_floor": med["fd"] / floor_fd,
            "fd_probes_over_floor": med["fd_probes"] / floor_probes,
            "plain_gflops_per_s": achieved / 1e9, "matmul_gflops_per_s": mm_flops / 1e9, "mfu": achieved / mm_flops,
-           "peak_mib": peak}
+           "peak_rss_mib": peak, "peak_tensor_mib": held}
     if a.json:
         print(json.dumps(res))
         return
     s = d.split
     print(f"{a.model} on {d.device} ({res['dtype']}): AdapEmu = {s.student_layers} B_L + {s.messenger_layers} messenger "
           f"layers; batch {res['batch'][0]} x {res['batch'][1]} tokens; medians of {a.repeats}")
-    print(f"  {'measurement':<38}{'seconds':>9}{'/ plain':>9}{'/ floor':>9}{'peak MiB':>10}")
+    print(f"  {'measurement':<38}{'seconds':>9}{'/ plain':>9}{'/ floor':>9}{'RSS MiB':>9}{'held MiB':>9}")
     rows = [("(i)   plain PEFT LoRA step", "plain", None), ("      B  (no-grad B_L forward)", "B", None),
             ("      M  (messenger fwd+bwd)", "M", None), ("      D  (exact HVP alone)", "D", None),
             ("(ii)  CIDERS-FO step (B + 2M)", "fo", floor_fo), ("(iii) FD, hvp exact (B + M + D)", "fd", floor_fd),
             ("(iv)  FD, hvp fd (B + 4M)", "fd_probes", floor_probes)]
     for label, k, floor in rows:
         f = f"{med[k] / floor:>9.2f}" if floor else " " * 9
-        m = f"{peak[k]:>10.0f}" if k in peak else ""
+        m = f"{peak[k]:>9.0f}{held[k]:>9.1f}" if k in peak else ""
         print(f"  {label:<38}{med[k]:>9.4f}{med[k] / med['plain']:>9.2f}{f}{m}")
     print(f"  plain step {res['plain_gflops_per_s']:.1f} GFLOP/s against a matmul's {res['matmul_gflops_per_s']:.1f}: "
           f"mfu {res['mfu']:.2f}")

@@ -72,3 +72,49 @@ def peak_memory_mib(fn, device) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def peak_tensor_mib(fn) -> float:
+    """Peak bytes of tensor storage that fn() allocates and holds at once (autograd's saved tensors included), in
+    MiB, counted op by op under a dispatch mode on any device: RSS cannot show this on CPU, where the allocator
+    keeps freed pages resident. An op's output that shares an input's storage (a view, an in-place op) is not new."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live: dict[int, list[int]] = {}
+    cur, peak = [0], [0]
+
+    def release(ptr: int) -> None:
+        ent = live.get(ptr)
+        if ent is not None:
+            ent[1] -= 1
+            if ent[1] == 0:
+                cur[0] -= ent[0]
+                del live[ptr]
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr == 0 or ptr in ins:
+                    continue
+                if ptr in live:
+                    live[ptr][1] += 1
+                else:
+                    live[ptr] = [st.nbytes(), 1]
+                    cur[0] += st.nbytes()
+                    peak[0] = max(peak[0], cur[0])
+                weakref.finalize(t, release, ptr)
+            return out
+
+    with Mode():
+        fn()
+    return peak[0] / 2**20

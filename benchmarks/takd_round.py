@@ -5,6 +5,9 @@ messenger on it for M*(x), instead of the full n-layer teacher. Rounds of T_L st
 the two modes from the same start state (so machine noise hits both), and the losses of the two modes
 are compared to show the cache changes nothing but the time.
 
+Peak memory of one TAKD step in each mode: the process's peak RSS (CUDA: the allocator's peak) and the tensor
+storage the step itself holds at once (`common.peak_tensor_mib`).
+
     python benchmarks/takd_round.py [--model smollm2-135m] [--rounds 4] [--steps 5]
 """
 
@@ -15,7 +18,7 @@ import time
 
 import torch
 
-from common import parser, setup
+from common import parser, peak_memory_mib, peak_tensor_mib, setup
 
 from ciders.config import TAKDConfig
 from ciders.models.distill import TeacherCache, distill, init_state
@@ -70,6 +73,11 @@ def main() -> None:
     print(f"\nspeed-up per round (no cache / cache): {med['no cache'] / med['cache']:.2f}x")
     print(f"one-time cache build: {build_s:.2f} s ({cache.storage}); pays for itself after "
           f"{build_s / saved:.1f} rounds" if saved > 0 else f"one-time cache build: {build_s:.2f} s")
+    for m in ("no cache", "cache"):
+        def one(m=m):
+            distill(d, state[m], msg, feats, cfg, 1, pad_id=pad, seed=0, cache=cache if m == "cache" else None)
+        print(f"one TAKD step ({m}): peak RSS {peak_memory_mib(one, d.device):.0f} MiB, "
+              f"tensors held {peak_tensor_mib(one):.1f} MiB")
     diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(losses["cache"], losses["no cache"]))
     print(f"max relative loss difference between the modes over {len(losses['cache'])} steps: {diff:.2e}")
 

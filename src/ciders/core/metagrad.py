@@ -18,6 +18,7 @@ Why the probe is relative: docs/method.md#eq-7-finite-difference-meta-gradient-f
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable
 
 import torch
@@ -25,6 +26,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ciders.core.tensors import State, lincomb, norm, scale, zeros_like
 from ciders.errors import CidersError
+
+# True while `exact_grad_hvp` builds a graph it will differentiate twice: a loss with a faster path that is
+# differentiable only once (MessengerLoss's fused chunked CE) takes its plain path then.
+_SECOND_ORDER = contextvars.ContextVar("ciders_second_order", default=False)
+
+
+def second_order() -> bool:
+    """Whether the current forward will be differentiated twice (inside `exact_grad_hvp`)."""
+    return _SECOND_ORDER.get()
+
 
 GradFn = Callable[[State], tuple[torch.Tensor, State]]
 HvpFn = Callable[[State, State], State]
@@ -99,8 +110,12 @@ def exact_grad_hvp(loss_fn: Callable[[State, Any], torch.Tensor], x: State, batc
     attention matrix). Another backend without one (e.g. flash_attention_2) is a one-line CidersError."""
     p = {k: t.detach().requires_grad_(True) for k, t in x.items()}
     with _second_derivative_errors():
-        with sdpa_kernel([SDPBackend.MATH]):
-            loss = loss_fn(p, batch)
+        token = _SECOND_ORDER.set(True)
+        try:
+            with sdpa_kernel([SDPBackend.MATH]):
+                loss = loss_fn(p, batch)
+        finally:
+            _SECOND_ORDER.reset(token)
         grads = torch.autograd.grad(loss, list(p.values()), create_graph=True)
 
     def hvp(v: State) -> State:

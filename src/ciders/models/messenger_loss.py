@@ -13,9 +13,14 @@ The copy is made on first use and again whenever a source weight changes (a new 
 the messenger layers, the norm and the head in the compute dtype (the tied head is the embedding matrix).
 
 The LM head runs only at the positions the loss reads: those t where some row's next token labels[:, t+1] is a
-response token (`loss_positions`). This goes through transformers' `logits_to_keep`. The head is a V-way matmul
-(49,152 for SmolLM2) and dominates the messenger's cost, while prompts are often longer than responses. The loss
-equals the full-logits one to float tolerance (tests/models/test_messenger_loss.py).
+response token (`loss_positions`). The head is a V-way matmul (49,152 for SmolLM2) and dominates the messenger's
+cost, while prompts are often longer than responses. The cross-entropy is then taken chunk by chunk from the final
+hidden states (`eval.metrics.linear_nll`), its gradient formed while each chunk's logits exist, so the [B, P, V]
+logits tensor (and its float32 copy and softmax) is never held: at Qwen2.5's 151,936-way vocabulary that is
+0.6 MB per kept position. This path needs a plain bias-free head and no logit post-processing (softcapping,
+logit_scale); other models, and the forward of the exact HVP (which differentiates twice), take the logits path
+through transformers' `logits_to_keep`. Both equal the full-logits loss to float tolerance
+(tests/models/test_messenger_loss.py).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
+from ciders.core.metagrad import second_order
 from ciders.core.tensors import State
+from ciders.eval.metrics import linear_nll, token_nll_at
 from ciders.eval.metrics import target_positions as loss_positions
-from ciders.eval.metrics import token_nll_at
 from ciders.models.decompose import MESSENGER, Decomposition
 
 
@@ -53,25 +59,55 @@ class MessengerLoss:
                 self._cast = (key, {n: p.detach().to(dt) for n, p in src.items()})
         return self._cast[1]
 
-    def logits(self, params: State, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T, V] logits, or [B, len(keep), V] at sequence positions `keep` only."""
-        model = self.d.messenger_top
+    def _weights(self, params: State) -> State:
+        weights = dict(self.base_weights())
+        weights.update({self.names[k]: v for k, v in params.items()})
+        return weights
+
+    def _run(self, module, weights: State, batch: dict, **kw):
         hidden = batch["hidden"]
         if self.compute_dtype is not None:
             hidden = hidden.to(self.compute_dtype)
-        args = {"inputs_embeds": hidden, "attention_mask": batch["attention_mask"],
-                "logits_to_keep": 0 if keep is None else keep}  # 0: every position
-        weights = dict(self.base_weights())
-        weights.update({self.names[k]: v for k, v in params.items()})
         devices = [hidden.device] if hidden.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(int(batch["seed"]))
-            return functional_call(model, weights, args=(), kwargs=args).logits
+            return functional_call(module, weights, args=(), kwargs={
+                "inputs_embeds": hidden, "attention_mask": batch["attention_mask"], **kw})
+
+    def logits(self, params: State, batch: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, V] logits, or [B, len(keep), V] at sequence positions `keep` only."""
+        return self._run(self.d.messenger_top, self._weights(params), batch,
+                         logits_to_keep=0 if keep is None else keep).logits  # 0: every position
+
+    def fused(self) -> bool:
+        """Whether the loss takes the chunked path (a plain bias-free head, no logit post-processing, and not
+        inside a forward that will be differentiated twice)."""
+        model = self.d.messenger_top
+        head, c = model.lm_head, model.config
+        plain = type(head) is torch.nn.Linear and head.bias is None
+        post = getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None)
+        return plain and not post and not second_order()
+
+    def _head_weight(self, weights: State) -> torch.Tensor:
+        model = self.d.messenger_top
+        w = model.lm_head.weight
+        for n, p in model.named_parameters():  # the canonical name (a tied head is the embedding's)
+            if p is w:
+                return weights.get(n, w)
+        return w
 
     def __call__(self, params: State, batch: dict) -> torch.Tensor:
         """Mean CE over response tokens: position t predicts labels[:, t + 1] (as `eval.metrics.token_nll`)."""
-        keep = loss_positions(batch["labels"])
-        nll, n = token_nll_at(self.logits(params, batch, keep), batch["labels"], keep)  # logits [B, len(keep), V]
+        labels = batch["labels"]
+        keep = loss_positions(labels)
+        if not self.fused():
+            nll, n = token_nll_at(self.logits(params, batch, keep), labels, keep)  # logits [B, len(keep), V]
+            return nll / max(n, 1)
+        weights = self._weights(params)
+        inner = {k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
+        h = self._run(self.d.messenger_top.model, inner, batch, use_cache=False).last_hidden_state  # [B, T, H]
+        h = h[:, keep].reshape(-1, h.size(-1))  # [B * P, H]
+        nll, n = linear_nll(h, self._head_weight(weights), labels[:, keep + 1].reshape(-1))
         return nll / max(n, 1)
 
 
