@@ -22,6 +22,8 @@ _STORAGE = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errn
             errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
 _OS_ERROR = re.compile(r"os error (\d+)")  # how safetensors (Rust) reports an OSError inside its own exception
 
+from ciders.phases import phase
+
 
 FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
@@ -120,6 +122,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+@phase("I/O")
 def write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -129,6 +132,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+@phase("I/O")
 def append_jsonl(path: str | os.PathLike, obj: Any) -> None:
     """Append one JSON line and fsync. A crash (or a full disk) can at worst leave a truncated last line,
     which `read_jsonl` drops."""

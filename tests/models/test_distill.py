@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,10 +106,12 @@ def _setup(name="tiny-qwen2"):
 def test_teacher_cache_is_equivalent_to_recomputing(tmp_path):
     d, msg, feats = _setup()
     mem = TeacherCache.build(d, feats, pad_id=0, batch_size=5, mode="memory")
-    disk = TeacherCache.build(d, feats, pad_id=0, batch_size=3, mode="disk", directory=tmp_path / "tc")
+    disk = TeacherCache.build(d, feats, pad_id=0, batch_size=5, mode="disk", directory=tmp_path / "tc")
     assert mem.storage == "memory" and disk.storage == "disk" and len(mem) == len(feats)
     idx = [3, 0, 7]
-    assert torch.equal(mem.gather(idx, d.device), disk.gather(idx, d.device))
+    assert torch.equal(mem.gather(idx, d.device), disk.gather(idx, d.device))  # storage round-trips bit for bit
+    other = TeacherCache.build(d, feats, pad_id=0, batch_size=3, mode="memory")  # other batch-mates: rounding only
+    torch.testing.assert_close(mem.gather(idx, d.device), other.gather(idx, d.device), atol=1e-6, rtol=1e-6)
     cfg = TAKDConfig(lr=1e-2, batch_size=3)
     s0 = init_state(d)
     runs = {}
@@ -177,3 +180,53 @@ def test_distill_errors():
         distill(d, init_state(d), msg, feats, TAKDConfig(lr=1e6, batch_size=4, max_grad_norm=0), 30, pad_id=0)
     with pytest.raises(CidersError, match="needs a directory"):
         TeacherCache.build(d, feats, pad_id=0, mode="disk")
+
+
+def test_the_teacher_cache_batches_by_length_and_keeps_the_given_order():
+    """Each example's B_F(x) equals its own unpadded forward, whatever batch it was computed in; the build's
+    batches are cut longest first, so they pad less than consecutive ones."""
+    from ciders.models import distill as dist
+    from ciders.tasks import text
+
+    d, _, feats = _setup()
+    lens = [len(f["input_ids"]) for f in feats]
+    assert len(set(lens)) > 3  # the features differ in length
+    seen = []
+    real = dist.collate
+    try:
+        dist.collate = lambda fs, pad, dev: seen.append([len(f["input_ids"]) for f in fs]) or real(fs, pad, dev)
+        cache = TeacherCache.build(d, feats, pad_id=0, batch_size=4, mode="memory")
+    finally:
+        dist.collate = real
+    assert [n for b in seen for n in b] == sorted(lens, reverse=True)
+    padded = sum(max(b) * len(b) for b in seen)
+    consecutive = sum(max(lens[i : i + 4]) * len(lens[i : i + 4]) for i in range(0, len(lens), 4))
+    assert padded < consecutive
+    for k in (0, 5, 11):
+        b = text.collate([feats[k]], 0, d.device)
+        h, _ = dist.teacher_forward(d, b, need_logits=False)
+        torch.testing.assert_close(cache.gather([k], d.device)[0], h[0], atol=1e-5, rtol=1e-5)
+
+
+def test_activation_checkpointing_recomputes_b_l_and_changes_nothing_else():
+    """takd.activation_checkpointing: each B_L layer runs its forward twice per step (once more in the backward
+    pass), the steps' losses and the student equal the plain run's (same dropout masks: the recompute replays the
+    RNG state), and the model is left without checkpointing."""
+    d, msg, feats = _setup()
+    cfg = TAKDConfig(lr=1e-2, batch_size=3)
+    s0 = init_state(d)
+    calls = []
+    hook = d.student[1].mlp.register_forward_pre_hook(lambda m, i: calls.append(1))  # the layer's own hooks skip the replay
+    try:
+        plain = distill(d, s0, msg, feats, cfg, 3, pad_id=0, seed=1)
+        n_plain = len(calls)
+        ck = distill(d, s0, msg, feats, replace(cfg, activation_checkpointing=True), 3, pad_id=0, seed=1)
+        n_ck = len(calls) - n_plain
+    finally:
+        hook.remove()
+    assert n_plain == 3 and n_ck == 6
+    for a, b in zip(plain[1], ck[1]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    for k, v in plain[0].student.items():
+        torch.testing.assert_close(ck[0].student[k], v, atol=1e-6, rtol=1e-5)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in d.adapemu.modules())

@@ -98,3 +98,17 @@ def test_vendored_slice_is_a_verbatim_prefix_of_the_shared_gsm8k():
         with open(src / theirs, "rb") as f:
             lines = f.readlines()
         assert (ROOT / "data" / "gsm8k-slice" / mine).read_bytes() == b"".join(lines[lo:hi])
+
+
+def test_batches_by_length_cover_every_example_once_and_pad_less():
+    from ciders.tasks.text import length_order
+
+    feats = [{"input_ids": [1] * n, "labels": [1] * n} for n in (3, 9, 4, 9, 1, 7, 2)]
+    order = length_order(feats)
+    assert sorted(order) == list(range(7)) and [len(feats[i]["input_ids"]) for i in order] == [9, 9, 7, 4, 3, 2, 1]
+    assert order[:2] == [1, 3]  # ties keep their order
+    by_len = list(batches(feats, 3, 0))
+    plain = list(batches(feats, 3, 0, by_length=False))
+    assert sum(int(b["attention_mask"].sum()) for b in by_len) == sum(len(f["input_ids"]) for f in feats)
+    assert sum(b["input_ids"].numel() for b in by_len) < sum(b["input_ids"].numel() for b in plain)
+    assert [b["input_ids"].shape[1] for b in plain] == [9, 9, 2]

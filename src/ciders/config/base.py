@@ -153,6 +153,9 @@ class TAKDConfig:
         "auto", "B_F(x) on public data never changes: keep it in memory, on disk, or recompute (off)"
     )
     cache_memory_mib: float = opt(2048.0, "with teacher_cache=auto, spill to disk above this size")
+    activation_checkpointing: bool = opt(
+        False, "recompute B_L's layer activations in the backward pass instead of keeping them: far less memory "
+        "for long sequences or large batches, one more B_L forward per step (benchmarks/takd_round.py)")
 
     def validate(self) -> None:
         check_choices(self, "takd")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ciders.fileio import atomic_path, makedirs, remove_leftovers
+from ciders.phases import phase
 
 _REC = re.compile(r"^r(\d{8})\.safetensors$")
 
@@ -60,6 +61,7 @@ class RoundStore:
         self._remember(key, rounds[-1], tensors, meta)
         return tensors, meta
 
+    @phase("I/O")
     def put(self, key: str, round_: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         from safetensors.torch import save_file
 

@@ -23,6 +23,7 @@ import torch
 
 from ciders.core.tensors import State
 from ciders.errors import CidersError, PayloadError  # noqa: F401  (PayloadError: re-exported, it lived here)
+from ciders.phases import phase
 
 MAGIC = b"CIDR"
 MAX_HEADER = 64 * 1024  # bytes; a real header is a few hundred
@@ -32,6 +33,7 @@ MAX_INT = 2**53  # exact in float64 and in every JSON parser
 MAX_NAME = 128  # characters of a component or key name
 
 
+@phase("serialization")
 def encode(components: Mapping[str, Mapping[str, torch.Tensor] | None], meta: dict) -> tuple[bytes, dict[str, int]]:
     """Serialize; returns (message, bytes per component). None components are left out."""
     from safetensors.torch import save
@@ -49,6 +51,7 @@ def encode(components: Mapping[str, Mapping[str, torch.Tensor] | None], meta: di
     return msg, sizes
 
 
+@phase("serialization")
 def decode(msg: bytes, expect: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
            device: torch.device | str | None = None) -> tuple[dict[str, State], dict]:
     """Parse a message. With `expect` (component -> reference state), every present component must

@@ -14,6 +14,7 @@ from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
 from ciders.errors import CidersError
 from ciders.fileio import acquire_lock, atomic_dir, read_jsonl, remove_leftovers, write_json, write_text
 from ciders.runtime import derive_seed
+from ciders.phases import phase
 
 MIB = 2**20
 RUN_SUBDIRS = ("checkpoints", "clients", "server", "eval", "adapters", "teacher_cache")  # a run writes below root
@@ -50,6 +51,7 @@ class RunDir:
                               "continue it or choose another --out")
         return committed
 
+    @phase("I/O")
     def save_checkpoint(self, t: int, tensors: dict, meta: dict, keep: int) -> None:
         from safetensors.torch import save_file
 

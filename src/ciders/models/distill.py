@@ -36,7 +36,8 @@ from ciders.fileio import atomic_dir
 from ciders.models.adapters import State
 from ciders.models.decompose import Decomposition
 from ciders.runtime import derive_seed
-from ciders.tasks.text import IGNORE, collate
+from ciders.tasks.text import IGNORE, collate, length_order
+from ciders.phases import phase
 
 
 # ------------------------------------------------------------------------------------------ loss terms
@@ -129,6 +130,7 @@ class TeacherCache:
         return len(self.lengths)
 
     @classmethod
+    @phase("teacher cache")
     def build(cls, d: Decomposition, features: Sequence[dict], pad_id: int, batch_size: int = 8,
               mode: str = "auto", directory: str | Path | None = None, memory_limit_mib: float = 2048.0,
               progress: Callable[[int, int], None] | None = None) -> "TeacherCache":
@@ -140,14 +142,17 @@ class TeacherCache:
             mode = "memory" if mib <= memory_limit_mib or directory is None else "disk"
         if mode == "disk" and directory is None:
             raise CidersError("takd.teacher_cache=disk needs a directory (the run directory provides one)")
-        hidden: list[torch.Tensor] = []
-        for i in range(0, len(features), batch_size):
-            batch = collate(features[i : i + batch_size], pad_id, d.device)
+        slots: list[torch.Tensor | None] = [None] * len(features)
+        order = length_order(features)  # batches of similar lengths pad little; stored in the given order
+        for i in range(0, len(order), batch_size):
+            part = order[i : i + batch_size]
+            batch = collate([features[k] for k in part], pad_id, d.device)
             h, _ = teacher_forward(d, batch, need_logits=False)
-            for j, n in enumerate(lengths[i : i + batch_size]):
-                hidden.append(h[j, :n].to("cpu").clone())
+            for j, k in enumerate(part):
+                slots[k] = h[j, : lengths[k]].to("cpu").clone()
             if progress:
                 progress(min(i + batch_size, len(features)), len(features))
+        hidden: list[torch.Tensor] = slots  # type: ignore[assignment]  # every slot is filled
         if mode == "memory":
             return cls(hidden, None, lengths, hs)
         from safetensors.torch import save_file
@@ -293,6 +298,8 @@ def distill(
     params = d.student_params()
     opt_state = state.optimizer if state.optimizer is not None else optim.adamw_init(state.student)
     flags = _enter_student_training(d, params)
+    if cfg.activation_checkpointing:  # B_L's layers (the ones in train mode) recompute in the backward pass
+        d.adapemu.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     history = []
     devices = [d.device] if d.device.type == "cuda" else []
     student = {k: p.detach().clone() for k, p in params.items()}
@@ -309,6 +316,8 @@ def distill(
             if on_step:
                 on_step(rec)
     finally:
+        if cfg.activation_checkpointing:
+            d.adapemu.activation_checkpointing_disable()
         _leave_student_training(d, params, flags)
     new = TAKDState(student=student, optimizer=opt_state, step=state.step + steps)
     return new, history

@@ -228,7 +228,17 @@ def collate(features: Sequence[dict], pad_id: int, device: torch.device | str | 
     return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
 
 
-def batches(features: Sequence[dict], batch_size: int, pad_id: int, device=None) -> Iterable[dict[str, torch.Tensor]]:
-    """Consecutive right-padded batches (none for no features)."""
-    for i in range(0, len(features), batch_size):
-        yield collate(features[i : i + batch_size], pad_id, device)
+def length_order(features: Sequence[dict]) -> list[int]:
+    """Indices of `features`, longest first (ties in their order): batches cut from this order pad little."""
+    return sorted(range(len(features)), key=lambda i: -len(features[i]["input_ids"]))
+
+
+def batches(features: Sequence[dict], batch_size: int, pad_id: int, device=None,
+            by_length: bool = True) -> Iterable[dict[str, torch.Tensor]]:
+    """Right-padded batches (none for no features). by_length: cut from `length_order`, so each batch holds
+    examples of similar length and pads (and computes) little; for sums over examples, such as perplexity,
+    only float rounding depends on the order. Otherwise consecutive."""
+    order = length_order(features) if by_length else range(len(features))
+    order = list(order)
+    for i in range(0, len(order), batch_size):
+        yield collate([features[j] for j in order[i : i + batch_size]], pad_id, device)

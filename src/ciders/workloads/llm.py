@@ -20,6 +20,7 @@ from ciders.workloads.client_side import ClientSide
 from ciders.workloads.prealign import build
 from ciders.tasks import federated
 from ciders.tasks.text import batches as iter_batches
+from ciders.phases import phase
 
 
 class LLMTask(ClientSide):
@@ -37,12 +38,13 @@ class LLMTask(ClientSide):
         # Flower: the dtype of the emulator's first download (None: as held). In-process clients share the
         # server's model, so nothing is cast for them.
         self.edge_dtype = edge_dtype
-        self.d, self.tok = build(cfg)
-        self.pad = self.tok.pad_token_id
-        s = self.d.split
-        log(f"model {cfg.model.name}: {s.n_layers} layers on {self.d.device} ({self.d.base.dtype}); messenger "
-            f"{s.messenger_layers} layers, B_F {s.teacher_layers}, B_L {s.student_layers} at {list(s.student_indices)}")
-        self._load_data(Path(out))
+        with phase("model and data"):
+            self.d, self.tok = build(cfg)
+            self.pad = self.tok.pad_token_id
+            s = self.d.split
+            log(f"model {cfg.model.name}: {s.n_layers} layers on {self.d.device} ({self.d.base.dtype}); messenger "
+                f"{s.messenger_layers} layers, B_F {s.teacher_layers}, B_L {s.student_layers} at {list(s.student_indices)}")
+            self._load_data(Path(out))
         log(f"data: {len(self.public)} public, {len(self.global_eval)} global eval, clients "
             + ", ".join(f"{c} {len(self.train[c])}+{len(self.heldout[c])}" for c in sorted(self.train)) + " (train+heldout)")
         tc = cfg.takd
@@ -86,6 +88,7 @@ class LLMTask(ClientSide):
             return res
         return self._prealign()
 
+    @phase("pre-alignment")
     def _prealign(self):
         tc = self.cfg.takd
         bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
