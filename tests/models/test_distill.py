@@ -230,3 +230,40 @@ def test_activation_checkpointing_recomputes_b_l_and_changes_nothing_else():
     for k, v in plain[0].student.items():
         torch.testing.assert_close(ck[0].student[k], v, atol=1e-6, rtol=1e-5)
     assert not any(getattr(m, "gradient_checkpointing", False) for m in d.adapemu.modules())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("kw", [{}, {"kd_tokens": "response", "hidden_loss": "teacher_rms"},
+                                {"lambda_out": 0.0}, {"lambda_task": 0.0, "hidden_loss": "sum"}])
+def test_the_fused_takd_loss_equals_the_logits_one(name, cached, kw, monkeypatch):
+    """takd_loss from the final hidden states in chunks (eval.metrics.linear_kl_ce) against takd_terms on the full
+    logits: every term and the student's gradient, with and without the teacher cache; no chunk holds more
+    than 5 rows of logits."""
+    from ciders.eval import metrics
+    from ciders.models.distill import takd_loss, teacher_forward
+    from ciders.tasks.text import collate
+
+    d, msg, feats = _setup(name)
+    d.load_messenger(msg)
+    params = d.student_params()
+    d.set_trainable(messenger=False, student=True)
+    cfg = TAKDConfig(**kw)
+    batch = collate(feats[:4], 0, d.device)
+    h_t = teacher_forward(d, batch, need_logits=False)[0] if cached else None
+    rows = []
+    real = metrics.chunk_logits
+    monkeypatch.setattr(metrics, "chunk_logits", lambda h, w: rows.append(h.shape[0]) or real(h, w))
+    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 5 * d.adapemu.lm_head.out_features)
+    got = takd_loss(d, batch, cfg, h_t)
+    g_got = torch.autograd.grad(got["loss"], list(params.values()))
+    assert rows and max(rows) <= 5
+    rows.clear()
+    want = takd_loss(d, batch, cfg, h_t, fused=False)
+    g_want = torch.autograd.grad(want["loss"], list(params.values()))
+    assert rows == []  # the logits path does not chunk
+    for k in ("loss", "hidden", "kl", "ce"):
+        assert float(got[k].detach()) == pytest.approx(float(want[k].detach()), rel=1e-5, abs=1e-7), k
+    num = sum(float((a - b).norm() ** 2) for a, b in zip(g_got, g_want)) ** 0.5
+    den = sum(float(b.norm() ** 2) for b in g_want) ** 0.5
+    assert num <= 1e-5 * den

@@ -14,6 +14,10 @@ KL is forward KL over the vocabulary per position, teacher first, averaged over 
 B_F(x) does not depend on anything that trains, so it is computed once per public example
 (`TeacherCache`) and M*(x) is then recomputed each step from it through the messenger alone
 (`Decomposition.messenger_top`), skipping the n-a backbone layers.
+
+The KL and CE terms need both models' logits at every position (KL over all tokens is the default). With plain
+heads they are taken from the final hidden states in chunks (`eval.metrics.linear_kl_ce`), each chunk's
+gradient formed while its logits exist, so no [B, T, V] tensor is held (`takd_loss(fused=...)`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from ciders.config import TAKDConfig
 from ciders.core import optim
 from ciders.errors import CidersError
-from ciders.eval.metrics import token_nll
+from ciders.eval.metrics import linear_kl_ce, plain_head, token_nll
 from ciders.fileio import atomic_dir
 from ciders.models.adapters import State
 from ciders.models.decompose import Decomposition
@@ -54,17 +58,9 @@ def takd_terms(
 ) -> dict[str, torch.Tensor]:
     """The three Eq. 2 terms and their weighted sum. Shapes: h_* [B, T, H], logits [B, T, V],
     attention_mask / labels [B, T]. Any term whose weight is 0 may be given None inputs."""
-    m = (labels != IGNORE) if cfg.kd_tokens == "response" else attention_mask.bool()
-    mf = m.float()
+    hidden = hidden_term(h_student, h_teacher, attention_mask, labels, cfg)
+    mf = kd_mask(attention_mask, labels, cfg)
     denom = mf.sum().clamp_min(1.0)
-    sq = ((h_student.float() - h_teacher.float()) ** 2).sum(-1)  # [B, T]
-    if cfg.hidden_loss == "sum":
-        hidden = (sq * mf).sum() / denom
-    elif cfg.hidden_loss == "mean":
-        hidden = (sq * mf).sum() / (denom * h_teacher.size(-1))
-    else:  # teacher_rms
-        ref = ((h_teacher.float() ** 2).sum(-1) * mf).sum().clamp_min(1e-12)
-        hidden = (sq * mf).sum() / ref
     zero = hidden.new_zeros(())
     kl = zero
     if cfg.lambda_out > 0:
@@ -78,6 +74,25 @@ def takd_terms(
         ce = nll / max(n, 1)
     loss = hidden + cfg.lambda_out * kl + cfg.lambda_task * ce
     return {"loss": loss, "hidden": hidden, "kl": kl, "ce": ce}
+
+
+def kd_mask(attention_mask: torch.Tensor, labels: torch.Tensor, cfg: TAKDConfig) -> torch.Tensor:
+    """m [B, T] as float: the tokens the hidden and KL terms average over (`kd_tokens`)."""
+    return ((labels != IGNORE) if cfg.kd_tokens == "response" else attention_mask.bool()).float()
+
+
+def hidden_term(h_student: torch.Tensor, h_teacher: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor, cfg: TAKDConfig) -> torch.Tensor:
+    """H(B_L(x), B_F(x)) of Eq. 2 in the `hidden_loss` form (module docstring); h_* [B, T, H]."""
+    mf = kd_mask(attention_mask, labels, cfg)
+    denom = mf.sum().clamp_min(1.0)
+    sq = ((h_student.float() - h_teacher.float()) ** 2).sum(-1)  # [B, T]
+    if cfg.hidden_loss == "sum":
+        return (sq * mf).sum() / denom
+    if cfg.hidden_loss == "mean":
+        return (sq * mf).sum() / (denom * h_teacher.size(-1))
+    ref = ((h_teacher.float() ** 2).sum(-1) * mf).sum().clamp_min(1e-12)  # teacher_rms
+    return (sq * mf).sum() / ref
 
 
 def teacher_forward(d: Decomposition, batch: dict, need_logits: bool,
@@ -99,15 +114,56 @@ def teacher_forward(d: Decomposition, batch: dict, need_logits: bool,
         return h_teacher, logits
 
 
-def takd_loss(d: Decomposition, batch: dict, cfg: TAKDConfig,
-              h_teacher: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Eq. 2 on one batch with the messenger currently loaded in `d`; differentiable in B_L's LoRA."""
-    h_f, t_logits = teacher_forward(d, batch, cfg.lambda_out > 0, h_teacher)
-    n_s = d.split.student_layers
-    out = d.adapemu(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    output_hidden_states=[n_s])
-    return takd_terms(out.hidden_states[n_s], h_f, out.logits, t_logits,
-                      batch["attention_mask"], batch["labels"], cfg)
+def takd_loss(d: Decomposition, batch: dict, cfg: TAKDConfig, h_teacher: torch.Tensor | None = None,
+              fused: bool | None = None) -> dict[str, torch.Tensor]:
+    """Eq. 2 on one batch with the messenger currently loaded in `d`; differentiable in B_L's LoRA.
+
+    fused (default: whenever both heads are plain, `eval.metrics.plain_head`): the KL and CE terms come from the
+    final hidden states chunk by chunk (`eval.metrics.linear_kl_ce`), so neither model's [B, T, V] logits nor their
+    softmaxes are held; otherwise from the logits (`takd_terms`). The same terms to float tolerance."""
+    teacher = d.messenger_top if h_teacher is not None else d.base
+    head = cfg.lambda_out > 0 or cfg.lambda_task > 0
+    if fused is None:
+        fused = plain_head(d.adapemu) and plain_head(teacher)
+    if not (fused and head):
+        h_f, t_logits = teacher_forward(d, batch, cfg.lambda_out > 0, h_teacher)
+        n_s = d.split.student_layers
+        out = d.adapemu(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        output_hidden_states=[n_s], use_cache=False)
+        return takd_terms(out.hidden_states[n_s], h_f, out.logits, t_logits,
+                          batch["attention_mask"], batch["labels"], cfg)
+    return _fused_takd_loss(d, teacher, batch, cfg, h_teacher)
+
+
+def _fused_takd_loss(d: Decomposition, teacher, batch: dict, cfg: TAKDConfig,
+                     h_teacher: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    mask, labels = batch["attention_mask"], batch["labels"]
+    k, n_s = d.split.teacher_layers, d.split.student_layers
+    with torch.no_grad():  # B_F(x) and the teacher's final hidden states (only the KL term reads the latter)
+        if h_teacher is None:
+            t_out = d.base.model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=[k])
+            h_f, t_final = t_out.hidden_states[k], t_out.last_hidden_state
+        else:
+            h_f = h_teacher
+            t_final = (d.messenger_top.model(inputs_embeds=h_teacher.to(d.base.dtype), attention_mask=mask)
+                       .last_hidden_state if cfg.lambda_out > 0 else None)
+    out = d.adapemu.model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=[n_s],
+                          use_cache=False)
+    hidden = hidden_term(out.hidden_states[n_s], h_f, mask, labels, cfg)
+    mf = kd_mask(mask, labels, cfg)
+    kl_w = cfg.lambda_out * mf / mf.sum().clamp_min(1.0)  # [B, T]
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)  # position t predicts t + 1
+    valid = (targets != IGNORE).float()
+    ce_w = cfg.lambda_task * valid / valid.sum().clamp_min(1.0)
+    hs = out.last_hidden_state
+    H = hs.size(-1)
+    ht = t_final if t_final is not None else hs
+    both, kl, ce = linear_kl_ce(hs.reshape(-1, H), ht.reshape(-1, H), d.adapemu.lm_head.weight,
+                                teacher.lm_head.weight, targets.reshape(-1), kl_w.reshape(-1), ce_w.reshape(-1))
+    zero = hidden.new_zeros(())
+    kl = kl / cfg.lambda_out if cfg.lambda_out > 0 else zero
+    ce = ce / cfg.lambda_task if cfg.lambda_task > 0 else zero
+    return {"loss": hidden + both, "hidden": hidden, "kl": kl, "ce": ce}
 
 
 # ------------------------------------------------------------------------------------------ teacher cache

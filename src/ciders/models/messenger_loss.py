@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from ciders.core.metagrad import second_order
 from ciders.core.tensors import State
-from ciders.eval.metrics import linear_nll, token_nll_at
+from ciders.eval.metrics import linear_nll, plain_head, token_nll_at
 from ciders.eval.metrics import target_positions as loss_positions
 from ciders.models.decompose import MESSENGER, Decomposition
 
@@ -82,11 +82,7 @@ class MessengerLoss:
     def fused(self) -> bool:
         """Whether the loss takes the chunked path (a plain bias-free head, no logit post-processing, and not
         inside a forward that will be differentiated twice)."""
-        model = self.d.messenger_top
-        head, c = model.lm_head, model.config
-        plain = type(head) is torch.nn.Linear and head.bias is None
-        post = getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None)
-        return plain and not post and not second_order()
+        return plain_head(self.d.messenger_top) and not second_order()
 
     def _head_weight(self, weights: State) -> torch.Tensor:
         model = self.d.messenger_top
