@@ -193,14 +193,16 @@ def perplexity(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> 
     total, count = 0.0, 0
     keep_ok = keeps_logits(model)
     for b in batches:
-        if b["input_ids"].numel() == 0:
+        if b["labels"].numel() == 0:
             continue
+        # a batch gives token ids, or (inputs_embeds) the hidden states a model's first layer reads
+        x = {"inputs_embeds": b["inputs_embeds"]} if "inputs_embeds" in b else {"input_ids": b["input_ids"]}
         if keep_ok:
             keep = target_positions(b["labels"])
-            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=keep)
+            out = model(**x, attention_mask=b["attention_mask"], logits_to_keep=keep)
             nll, n = token_nll_at(out.logits, b["labels"], keep)
         else:
-            nll, n = token_nll(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+            nll, n = token_nll(model(**x, attention_mask=b["attention_mask"]).logits, b["labels"])
         total += float(nll)
         count += n
     model.train(was_training)

@@ -163,6 +163,22 @@ class LLMTask(ClientSide):
         self.d.load_messenger(messenger)
         return perplexity(self.d.adapemu, iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device))
 
+    def _ppls(self, messengers: list[dict], feats: list[dict]) -> list[dict]:
+        """`_ppl` of each messenger on the same examples, with B_L(x) computed once for all of them: AdapEmu =
+        messenger o B_L, and only the messenger differs (the client loss relies on the same identity)."""
+        if len(messengers) == 1:
+            return [self._ppl(messengers[0], feats)]
+        cached = []
+        for b in iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device):
+            with torch.inference_mode():
+                h = self.d.backbone_hidden(b["input_ids"], b["attention_mask"])
+            cached.append({"inputs_embeds": h, "attention_mask": b["attention_mask"], "labels": b["labels"]})
+        out = []
+        for m in messengers:
+            self.d.load_messenger(m)
+            out.append(perplexity(self.d.messenger_top, cached))
+        return out
+
     def evaluate(self, t: int, server, personalized: dict) -> dict:
         """AdapEmu response NLL/PPL: global messenger on the global held-out set and on each client's
         held-out part; each client's personalized messenger on its own held-out part. Without
@@ -179,9 +195,11 @@ class LLMTask(ClientSide):
         for cid in sorted(self.train):
             if not self.heldout[cid]:
                 continue
-            row = {"global": self._ppl(server.messenger, self.heldout[cid])}
+            both = [server.messenger] + ([pers[cid]] if cid in pers else [])
+            figures = self._ppls(both, self.heldout[cid])
+            row = {"global": figures[0]}
             if cid in pers:
-                row["personalized"] = self._ppl(pers[cid], self.heldout[cid])
+                row["personalized"] = figures[1]
             out["clients"][cid] = row
         for name in tasks:  # scheduled task evaluations of the AdapEmu path
             out[name] = self._task(name, server.messenger, pers)
