@@ -34,6 +34,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/client_step.py
 	$(BIN)/python benchmarks/takd_round.py
+	$(BIN)/python benchmarks/round_profile.py
 	$(BIN)/python benchmarks/consensus_units.py
 	$(BIN)/python benchmarks/fd_accuracy.py
 	$(BIN)/python benchmarks/hypergrad_cost.py

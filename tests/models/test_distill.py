@@ -258,6 +258,14 @@ def test_the_fused_takd_loss_equals_the_logits_one(name, cached, kw, monkeypatch
     got = takd_loss(d, batch, cfg, h_t)
     g_got = torch.autograd.grad(got["loss"], list(params.values()))
     assert rows and max(rows) <= 5
+    m = batch["attention_mask"].bool() if cfg.lambda_out > 0 and cfg.kd_tokens == "all" else torch.zeros_like(
+        batch["attention_mask"], dtype=torch.bool)
+    if cfg.lambda_out > 0 and cfg.kd_tokens == "response":
+        m |= batch["labels"] != -100
+    if cfg.lambda_task > 0:
+        m[:, :-1] |= batch["labels"][:, 1:] != -100
+    per = 2 if cfg.lambda_out > 0 else 1  # the teacher's logits are chunked too when the KL term is on
+    assert sum(rows) == per * int(m.sum()) and int(m.sum()) < batch["labels"].numel()  # only rows a term reads
     rows.clear()
     want = takd_loss(d, batch, cfg, h_t, fused=False)
     g_want = torch.autograd.grad(want["loss"], list(params.values()))

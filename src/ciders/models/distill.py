@@ -158,8 +158,10 @@ def _fused_takd_loss(d: Decomposition, teacher, batch: dict, cfg: TAKDConfig,
     hs = out.last_hidden_state
     H = hs.size(-1)
     ht = t_final if t_final is not None else hs
-    both, kl, ce = linear_kl_ce(hs.reshape(-1, H), ht.reshape(-1, H), d.adapemu.lm_head.weight,
-                                teacher.lm_head.weight, targets.reshape(-1), kl_w.reshape(-1), ce_w.reshape(-1))
+    kl_w, ce_w = kl_w.reshape(-1), ce_w.reshape(-1)
+    rows = ((kl_w > 0) | (ce_w > 0)).nonzero().squeeze(1)  # the heads run only where a term reads them
+    both, kl, ce = linear_kl_ce(hs.reshape(-1, H)[rows], ht.reshape(-1, H)[rows], d.adapemu.lm_head.weight,
+                                teacher.lm_head.weight, targets.reshape(-1)[rows], kl_w[rows], ce_w[rows])
     zero = hidden.new_zeros(())
     kl = kl / cfg.lambda_out if cfg.lambda_out > 0 else zero
     ce = ce / cfg.lambda_task if cfg.lambda_task > 0 else zero
