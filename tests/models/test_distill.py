@@ -237,10 +237,10 @@ def test_activation_checkpointing_recomputes_b_l_and_changes_nothing_else():
 @pytest.mark.parametrize("kw", [{}, {"kd_tokens": "response", "hidden_loss": "teacher_rms"},
                                 {"lambda_out": 0.0}, {"lambda_task": 0.0, "hidden_loss": "sum"}])
 def test_the_fused_takd_loss_equals_the_logits_one(name, cached, kw, monkeypatch):
-    """takd_loss from the final hidden states in chunks (eval.metrics.linear_kl_ce) against takd_terms on the full
+    """takd_loss from the final hidden states in chunks (eval.chunked.linear_kl_ce) against takd_terms on the full
     logits: every term and the student's gradient, with and without the teacher cache; no chunk holds more
     than 5 rows of logits."""
-    from ciders.eval import metrics
+    from ciders.eval import chunked
     from ciders.models.distill import takd_loss, teacher_forward
     from ciders.tasks.text import collate
 
@@ -252,9 +252,9 @@ def test_the_fused_takd_loss_equals_the_logits_one(name, cached, kw, monkeypatch
     batch = collate(feats[:4], 0, d.device)
     h_t = teacher_forward(d, batch, need_logits=False)[0] if cached else None
     rows = []
-    real = metrics.chunk_logits
-    monkeypatch.setattr(metrics, "chunk_logits", lambda h, w: rows.append(h.shape[0]) or real(h, w))
-    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 5 * d.adapemu.lm_head.out_features)
+    real = chunked.chunk_logits
+    monkeypatch.setattr(chunked, "chunk_logits", lambda h, w: rows.append(h.shape[0]) or real(h, w))
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 5 * d.adapemu.lm_head.out_features)
     got = takd_loss(d, batch, cfg, h_t)
     g_got = torch.autograd.grad(got["loss"], list(params.values()))
     assert rows and max(rows) <= 5

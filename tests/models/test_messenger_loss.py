@@ -106,7 +106,7 @@ def test_the_head_runs_only_where_the_loss_reads_and_the_loss_is_unchanged(name,
     never forms more than a chunk of logits; the logits path (taken inside a double backward) runs the head
     module on the kept positions."""
     from ciders.core import metagrad
-    from ciders.eval import metrics
+    from ciders.eval import chunked
     from ciders.eval.metrics import token_nll
     from ciders.models.messenger_loss import loss_positions
 
@@ -117,11 +117,11 @@ def test_the_head_runs_only_where_the_loss_reads_and_the_loss_is_unchanged(name,
     T = batch["labels"].shape[1]
     assert 0 < len(keep) < T - 1  # the prompts are left out
     vocab = d.messenger_top.lm_head.out_features
-    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 4 * vocab)  # 4 rows of logits at a time
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 4 * vocab)  # 4 rows of logits at a time
     rows, chunks = [], []
     hook = d.messenger_top.lm_head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
-    real = metrics.chunk_logits
-    monkeypatch.setattr(metrics, "chunk_logits", lambda h, w: chunks.append(h.shape[0]) or real(h, w))
+    real = chunked.chunk_logits
+    monkeypatch.setattr(chunked, "chunk_logits", lambda h, w: chunks.append(h.shape[0]) or real(h, w))
     token = metagrad._SECOND_ORDER.set(path == "logits")
     try:
         assert loss.fused() == (path == "chunked")
@@ -144,28 +144,3 @@ def test_the_head_runs_only_where_the_loss_reads_and_the_loss_is_unchanged(name,
     assert rel(g_got, g_want) < 1e-5
     none = dict(batch, labels=torch.full_like(batch["labels"], -100))
     assert float(loss(x, none)) == 0.0  # no target token: no loss, no error
-
-
-def test_the_chunked_nll_equals_cross_entropy_with_its_gradients_in_every_dtype():
-    """eval.metrics.linear_nll against F.cross_entropy on the full logits: the sum, d/dh and d/dW (a trainable
-    head), with ignored targets and a last chunk shorter than the rest; bfloat16 inputs give bfloat16 grads."""
-    from ciders.eval.metrics import linear_nll
-
-    g = torch.Generator().manual_seed(3)
-    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        h = torch.randn(11, 8, generator=g).to(dtype).requires_grad_(True)
-        w = (0.5 * torch.randn(37, 8, generator=g)).to(dtype).requires_grad_(True)
-        t = torch.randint(0, 37, (11,), generator=g)
-        t[[2, 7]] = -100
-        got, n = linear_nll(h, w, t, chunk_elements=3 * 37)
-        gh, gw = torch.autograd.grad(2.0 * got, [h, w])
-        ref = torch.nn.functional.cross_entropy((h @ w.t()).to(torch.promote_types(dtype, torch.float32)), t, ignore_index=-100, reduction="sum")
-        rh, rw = torch.autograd.grad(2.0 * ref, [h, w])
-        assert n == 9 and gh.dtype == dtype and gw.dtype == dtype
-        assert abs(float(got.detach()) - float(ref.detach())) <= tol * abs(float(ref.detach()))
-        for a, b in ((gh, rh), (gw, rw)):
-            assert float((a.double() - b.double()).norm()) <= tol * float(b.double().norm())
-    # a frozen head: no weight gradient is formed
-    h = torch.randn(5, 8, generator=g, requires_grad=True)
-    (gh,) = torch.autograd.grad(linear_nll(h, torch.randn(37, 8, generator=g), torch.zeros(5, dtype=torch.long))[0], [h])
-    assert gh.shape == h.shape

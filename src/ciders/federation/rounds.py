@@ -38,7 +38,7 @@ from ciders.federation.exchange import Reply
 from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
 from ciders.errors import CidersError
 from ciders.fileio import append_jsonl, write_json
-from ciders import phases
+from ciders import phases as timing
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class Coordinator:
         state = RunState(-1, alg.init_server(self.ref, self.cfg.federation.rounds),
                          self.task.extra_from_record(extra_t, extra_m), frozenset())
         self.log("evaluating before the first round")
-        with phases.phase("evaluation"):
+        with timing.phase("evaluation"):
             ev = self.task.evaluate(-1, state.server, {})
         write_json(self.run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
         for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
@@ -289,7 +289,7 @@ class Coordinator:
         missing = sorted(set(rnd.sampled) - answered)
         if missing and self.clients_store is None:
             self.log(f"round {t}: no reply from {', '.join(missing)} within the round")
-        with phases.phase("aggregation"):
+        with timing.phase("aggregation"):
             checked = check_uploads(acfg, self.ref, self.sizes, rnd, replies)
         for rec in checked.client_records:
             self._record(rec)
@@ -297,7 +297,7 @@ class Coordinator:
         failed = {r.client_id for r in replies if r.error is not None}
         contacted = (rnd.next.contacted - failed) | set(checked.replied)
         copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
-        with phases.phase("aggregation"):
+        with timing.phase("aggregation"):
             server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies, self.sizes,
                                                        self.cfg.federation.max_step_ratio)
         for cid, cp in new_copies.items():
@@ -308,7 +308,7 @@ class Coordinator:
             for who, why in checked.rejected.items():
                 self.log(f"round {t}: rejected upload from {who}: {why}")
         mark("server")
-        with phases.phase("TAKD"):
+        with timing.phase("TAKD"):
             extra, tm = self.task.after_server(t, server, rnd.next.extra)
         self.round = replace(rnd, next=RunState(t, server, extra, frozenset(contacted)),
                              changed=tuple(u.client_id for u in checked.uploads),
@@ -335,7 +335,7 @@ class Coordinator:
         if self.eval_due(t):
             got = rnd.personalized
             pers = {cid: {k: v.to(_dev(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
-            with phases.phase("evaluation"):
+            with timing.phase("evaluation"):
                 recs.append({"event": "eval", "round": t, **self.task.evaluate(t, rnd.next.server, pers)})
             write_json(self.run.root / "eval" / f"round_{t:04d}.json", recs[-1])
         for r in recs:
@@ -408,7 +408,7 @@ def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     task.begin_round(b.round, extra)
     rec = store.get(cid)
     state = _on_device(None if rec is None else alg.client_from_record(*rec), cid, ref)
-    with phases.phase("client steps"):  # B_L(x) for the round's batches and the K steps
+    with timing.phase("client steps"):  # B_L(x) for the round's batches and the K steps
         batches = task.batches(cid, b.round, acfg.local_steps * acfg.grad_accum, cfg.seed)
         up, state, cm = alg.client_update(acfg, b, state, task.loss_fn(cid), batches)
     store.put(cid, b.round, *alg.client_record(state))

@@ -16,7 +16,7 @@ B_F(x) does not depend on anything that trains, so it is computed once per publi
 (`Decomposition.messenger_top`), skipping the n-a backbone layers.
 
 The KL and CE terms need both models' logits at every position (KL over all tokens is the default). With plain
-heads they are taken from the final hidden states in chunks (`eval.metrics.linear_kl_ce`), each chunk's
+heads they are taken from the final hidden states in chunks (`eval.chunked.linear_kl_ce`), each chunk's
 gradient formed while its logits exist, so no [B, T, V] tensor is held (`takd_loss(fused=...)`).
 """
 
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from ciders.config import TAKDConfig
 from ciders.core import optim
 from ciders.errors import CidersError
-from ciders.eval.metrics import linear_kl_ce, plain_head, token_nll
+from ciders.eval.chunked import linear_kl_ce, plain_head
+from ciders.eval.metrics import token_nll
 from ciders.fileio import atomic_dir
 from ciders.models.adapters import State
 from ciders.models.decompose import Decomposition
@@ -118,8 +119,8 @@ def takd_loss(d: Decomposition, batch: dict, cfg: TAKDConfig, h_teacher: torch.T
               fused: bool | None = None) -> dict[str, torch.Tensor]:
     """Eq. 2 on one batch with the messenger currently loaded in `d`; differentiable in B_L's LoRA.
 
-    fused (default: whenever both heads are plain, `eval.metrics.plain_head`): the KL and CE terms come from the
-    final hidden states chunk by chunk (`eval.metrics.linear_kl_ce`), so neither model's [B, T, V] logits nor their
+    fused (default: whenever both heads are plain, `eval.chunked.plain_head`): the KL and CE terms come from the
+    final hidden states chunk by chunk (`eval.chunked.linear_kl_ce`), so neither model's [B, T, V] logits nor their
     softmaxes are held; otherwise from the logits (`takd_terms`). The same terms to float tolerance."""
     teacher = d.messenger_top if h_teacher is not None else d.base
     head = cfg.lambda_out > 0 or cfg.lambda_task > 0

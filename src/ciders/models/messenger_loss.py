@@ -15,7 +15,7 @@ the messenger layers, the norm and the head in the compute dtype (the tied head 
 The LM head runs only at the positions the loss reads: those t where some row's next token labels[:, t+1] is a
 response token (`loss_positions`). The head is a V-way matmul (49,152 for SmolLM2) and dominates the messenger's
 cost, while prompts are often longer than responses. The cross-entropy is then taken chunk by chunk from the final
-hidden states (`eval.metrics.linear_nll`), its gradient formed while each chunk's logits exist, so the [B, P, V]
+hidden states (`eval.chunked.linear_nll`), its gradient formed while each chunk's logits exist, so the [B, P, V]
 logits tensor (and its float32 copy and softmax) is never held: at Qwen2.5's 151,936-way vocabulary that is
 0.6 MB per kept position. This path needs a plain bias-free head and no logit post-processing (softcapping,
 logit_scale); other models, and the forward of the exact HVP (which differentiates twice), take the logits path
@@ -30,7 +30,8 @@ from torch.func import functional_call
 
 from ciders.core.metagrad import second_order
 from ciders.core.tensors import State
-from ciders.eval.metrics import linear_nll, plain_head, token_nll_at
+from ciders.eval.chunked import linear_nll, plain_head
+from ciders.eval.metrics import token_nll_at
 from ciders.eval.metrics import target_positions as loss_positions
 from ciders.models.decompose import MESSENGER, Decomposition
 
