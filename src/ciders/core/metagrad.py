@@ -18,6 +18,7 @@ Why the probe is relative: docs/method.md#eq-7-finite-difference-meta-gradient-f
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any, Callable
 
@@ -127,20 +128,17 @@ def exact_grad_hvp(loss_fn: Callable[[State, Any], torch.Tensor], x: State, batc
     return loss.detach(), {k: g.detach() for k, g in zip(p, grads)}, hvp
 
 
-class _second_derivative_errors:
-    """A kernel without a second derivative becomes a CidersError that names the fix."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, typ, exc, tb):
-        if typ is None or not issubclass(typ, (RuntimeError, NotImplementedError)):
-            return False
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else typ.__name__
+@contextlib.contextmanager
+def _second_derivative_errors():
+    """A kernel without a second derivative becomes a CidersError that names the fix; other errors pass."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         if "not implemented" in first or "differentiate twice" in first:  # no second derivative
             raise CidersError(f"algorithm.hvp: exact needs a second derivative the model's kernels lack ({first}); "
                               "set model.attn_implementation: eager, or algorithm.hvp: fd") from exc
-        return False
+        raise
 
 
 def fd_class(r: float) -> str:

@@ -22,61 +22,21 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (h @ weight.t()).to(torch.promote_types(h.dtype, torch.float32))
 
 
-class _LinearNLL(torch.autograd.Function):
-    """Summed next-token NLL of logits h W^T, chunk by chunk, with the gradients taken in the forward pass: a
-    chunk's softmax gives d(loss)/d(logits) = softmax - onehot at once, so d/dh = (softmax - onehot) W and
-    d/dW = (softmax - onehot)^T h are formed while the chunk's logits exist, and only those ([N, H], [V, H])
-    are kept for backward. The full [N, V] logits are never held; the matmuls are the ones an unchunked
-    forward + backward does. Not twice differentiable (double backward uses the logits path)."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, rows):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
-        gh = torch.empty_like(h) if need_h else None
-        gw = torch.zeros_like(weight) if need_w else None
-        for i in range(0, h.size(0), rows):
-            hc, tc = h[i : i + rows], targets[i : i + rows]
-            logits = chunk_logits(hc, weight)  # [n, V]
-            valid = (tc != IGNORE).to(logits.dtype)
-            safe = tc.clamp_min(0)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            m = logits.amax(dim=-1)
-            e = logits.sub_(m[:, None]).exp_()  # in place: the chunk's only [n, V] buffer
-            z = e.sum(dim=-1)
-            total += ((m + z.log() - picked) * valid).sum()
-            if need_h or need_w:
-                p = e.mul_((valid / z)[:, None])  # softmax on valid rows, 0 on ignored ones
-                p[torch.arange(p.size(0), device=p.device), safe] -= valid
-                p = p.to(h.dtype)
-                if need_h:
-                    gh[i : i + rows] = p @ weight
-                if need_w:
-                    gw += p.t() @ hc
-        ctx.save_for_backward(*(t for t in (gh, gw) if t is not None))
-        ctx.has = (need_h, need_w)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = iter(ctx.saved_tensors)
-        gh = next(saved) * grad if ctx.has[0] else None  # a 0-dim float32 grad keeps the saved dtype
-        gw = next(saved) * grad if ctx.has[1] else None
-        return gh, gw, None, None
-
-
 def linear_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                chunk_elements: int | None = None) -> tuple[torch.Tensor, int]:
     """`token_nll_at` without the logits tensor: h [N, H] (the final hidden states at the kept positions),
     the head's weight [V, H] (no bias), targets [N] (IGNORE skipped). The same sum and count; the logits are
-    formed chunk_elements (default CHUNK_ELEMENTS) / V rows at a time, in float32 (float64 stays float64)."""
-    rows = max(1, (chunk_elements or CHUNK_ELEMENTS) // weight.size(0))
-    return _LinearNLL.apply(h, weight, targets, rows), int((targets != IGNORE).sum())
+    formed chunk_elements (default CHUNK_ELEMENTS) / V rows at a time, in float32 (float64 stays float64).
+    It is `linear_kl_ce` with no KL term and unit CE weights."""
+    valid = (targets != IGNORE).to(h.dtype)
+    total, _, _ = linear_kl_ce(h, h, weight, weight, targets, torch.zeros_like(valid), valid, chunk_elements)
+    return total, int(valid.sum())
 
 
 class _LinearKLCE(torch.autograd.Function):
-    """TAKD's output terms from hidden states, chunk by chunk, with the gradient taken in the forward pass (as
-    `_LinearNLL`): per row r with student logits s = h_s W^T, teacher logits t = h_t W_t^T, q = softmax(s),
+    """An LM head's KL + CE terms from hidden states, chunk by chunk, with the gradient taken in the forward pass:
+    a chunk's softmax gives the gradient in its logits at once, so only the gradients in h (and a trainable W) are
+    kept for backward. Per row r with student logits s = h_s W^T, teacher logits t = h_t W_t^T, q = softmax(s),
     p = softmax(t),
       KL_r = sum_v p (log p - log q),   CE_r = -log q[y_r]
     and the loss  sum_r kl_w[r] KL_r + ce_w[r] CE_r,  whose gradient in s is

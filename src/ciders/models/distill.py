@@ -59,8 +59,8 @@ def takd_terms(
 ) -> dict[str, torch.Tensor]:
     """The three Eq. 2 terms and their weighted sum. Shapes: h_* [B, T, H], logits [B, T, V],
     attention_mask / labels [B, T]. Any term whose weight is 0 may be given None inputs."""
-    hidden = hidden_term(h_student, h_teacher, attention_mask, labels, cfg)
     mf = kd_mask(attention_mask, labels, cfg)
+    hidden = hidden_term(h_student, h_teacher, mf, cfg)
     denom = mf.sum().clamp_min(1.0)
     zero = hidden.new_zeros(())
     kl = zero
@@ -82,10 +82,8 @@ def kd_mask(attention_mask: torch.Tensor, labels: torch.Tensor, cfg: TAKDConfig)
     return ((labels != IGNORE) if cfg.kd_tokens == "response" else attention_mask.bool()).float()
 
 
-def hidden_term(h_student: torch.Tensor, h_teacher: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor, cfg: TAKDConfig) -> torch.Tensor:
-    """H(B_L(x), B_F(x)) of Eq. 2 in the `hidden_loss` form (module docstring); h_* [B, T, H]."""
-    mf = kd_mask(attention_mask, labels, cfg)
+def hidden_term(h_student: torch.Tensor, h_teacher: torch.Tensor, mf: torch.Tensor, cfg: TAKDConfig) -> torch.Tensor:
+    """H(B_L(x), B_F(x)) of Eq. 2 in the `hidden_loss` form (module docstring); h_* [B, T, H], mf = `kd_mask`."""
     denom = mf.sum().clamp_min(1.0)
     sq = ((h_student.float() - h_teacher.float()) ** 2).sum(-1)  # [B, T]
     if cfg.hidden_loss == "sum":
@@ -150,8 +148,8 @@ def _fused_takd_loss(d: Decomposition, teacher, batch: dict, cfg: TAKDConfig,
                        .last_hidden_state if cfg.lambda_out > 0 else None)
     out = d.adapemu.model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=[n_s],
                           use_cache=False)
-    hidden = hidden_term(out.hidden_states[n_s], h_f, mask, labels, cfg)
     mf = kd_mask(mask, labels, cfg)
+    hidden = hidden_term(out.hidden_states[n_s], h_f, mf, cfg)
     kl_w = cfg.lambda_out * mf / mf.sum().clamp_min(1.0)  # [B, T]
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], 1)  # position t predicts t + 1
     valid = (targets != IGNORE).float()

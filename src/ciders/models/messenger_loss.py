@@ -42,6 +42,7 @@ class MessengerLoss:
         self.names = d.param_names(MESSENGER, d.messenger_top)
         self.compute_dtype = compute_dtype
         self._cast: tuple[tuple, State] | None = None  # (key of the source weights, their copies)
+        self._head_name: str | None = None
 
     def base_weights(self) -> State:
         """The messenger_top weights the loss needs besides the LoRA state, in `compute_dtype` ({} when
@@ -86,12 +87,10 @@ class MessengerLoss:
         return plain_head(self.d.messenger_top) and not second_order()
 
     def _head_weight(self, weights: State) -> torch.Tensor:
-        model = self.d.messenger_top
-        w = model.lm_head.weight
-        for n, p in model.named_parameters():  # the canonical name (a tied head is the embedding's)
-            if p is w:
-                return weights.get(n, w)
-        return w
+        w = self.d.messenger_top.lm_head.weight
+        if self._head_name is None:  # the canonical name (a tied head is the embedding's), looked up once
+            self._head_name = next(n for n, p in self.d.messenger_top.named_parameters() if p is w)
+        return weights.get(self._head_name, w)
 
     def __call__(self, params: State, batch: dict) -> torch.Tensor:
         """Mean CE over response tokens: position t predicts labels[:, t + 1] (as `eval.metrics.token_nll`)."""
