@@ -8,8 +8,9 @@ Client i, round t, from w = w_PM^(t), K optimizer updates:
   g_traj  = g_k + gamma (c - c_i) + eps_prox (x_k - w)                     (Eq. 4)
   x_{k+1} = OPTIM(x_k, clip(g_traj))                                        (SGD or AdamW)
 then Delta_i (Eq. 8, eta_bar = mean of the round's K learning rates), c_i' (Eq. 9), upload dc_i (Eq. 10).
-Server: Eq. 11 reconstruction from its copy of c_i, Eq. 12 aggregation. TAKD (Eq. 13) is the LLM layer's
-job, after `server_update`.
+Server: Eq. 11 reconstruction from its copy of c_i, Eq. 12 aggregation, whose step on the messenger can go
+through a server optimizer (FedAvgM / FedAdam / FedYogi, `ciders.core.server_opt`; c keeps Eq. 12's rule). TAKD
+(Eq. 13) is the LLM layer's job, after `server_update`.
 
 Consensus bookkeeping survives faults (lost, duplicated or late uploads, client restores, server
 restarts): every copy of c_i carries a version. The client does not change its committed c_i when it
@@ -38,6 +39,7 @@ from ciders.config import CidersConfig
 from ciders.core import aggregate as agg
 from ciders.core import consensus as cs
 from ciders.core import optim
+from ciders.core import server_opt as so
 from ciders.core.diagnostics import RoundStats
 from ciders.core.metagrad import exact_grad_hvp, fd_class, metagrad
 from ciders.core.schedules import gamma_at, lr_at
@@ -109,6 +111,7 @@ class ServerState:
     total_rounds: int
     messenger: State
     c: State
+    opt: so.ServerOptState | None = None  # server optimizer moments (algorithm.server_optimizer); None: no step yet
 
 
 def init_client(client_id: str, messenger: State) -> ClientState:
@@ -328,7 +331,9 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     engine loads them from its store); returns the updated ones. `sizes` are the registered |D_i| (the
     weights p_i; a client not in it is rejected). An upload whose implied local step K eta_bar Delta_i
     fails `core.aggregate.step_check` is rejected; if the aggregate is not finite, the whole round is
-    rejected: messenger, c and every copy stay as they were (the clients drop their pending increments)."""
+    rejected: messenger, c and every copy stay as they were (the clients drop their pending increments).
+    With algorithm.server_optimizer set, Eq. 12's messenger step goes through that optimizer (`_server_step`); its
+    state advances only in a round whose aggregate is applied."""
     lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
     eta_bar = sum(lrs) / cfg.local_steps
     new_copies = dict(copies)
@@ -358,19 +363,33 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     ids = [u.client_id for u, _ in accepted]
     p = agg.client_weights([sizes[i] for i in ids], uniform=cfg.weighting == "uniform")
     delta_bar = agg.weighted_sum([d for _, d in accepted], p)  # sum_i p_i Delta_i
-    messenger = cs.server_messenger(state.messenger, delta_bar, cfg.tau, cfg.local_steps, eta_bar)  # Eq. 12
+    messenger, opt = _server_step(cfg, state, delta_bar, eta_bar)  # Eq. 12 (then the server optimizer, if any)
     if cfg.consensus_update == "scaffold":
         c = cs.scaffold_consensus(state.c, [u.dc for u, _ in accepted], len(sizes))
     else:
         c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
-    if not agg.all_finite(messenger, c, *(new_copies[i].c_i for i in ids)):
+    opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
+    if not agg.all_finite(messenger, c, *opt_tensors, *(new_copies[i].c_i for i in ids)):
         why = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
         metrics.update({"accepted": [], "rejected": {**rejected, **{i: why for i in ids}}, "aggregate_rejected": ids})
         kept = {i: copies[i] for i in ids}
         return replace(state, round=state.round + 1), {**new_copies, **kept}, {**metrics, "delta_bar_norm": 0.0,
                                                                                "c_norm": norm(state.c)}
     metrics.update({"p": dict(zip(ids, p)), "delta_bar_norm": norm(delta_bar), "c_norm": norm(c)})
-    return ServerState(state.round + 1, state.total_rounds, messenger, c), new_copies, metrics
+    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt), new_copies, metrics
+
+
+def _server_step(cfg: CidersConfig, state: ServerState, delta_bar: State, eta_bar: float
+                 ) -> tuple[State, so.ServerOptState | None]:
+    """The new messenger and server-optimizer state. server_optimizer none: Eq. 12 as it is, and the state (if a
+    checkpoint holds one) carried unchanged. Otherwise Eq. 12's step d = -tau K eta_bar sum_i p_i Delta_i (the
+    term `server_messenger` adds to w, computed the same way, so w + d is bit for bit its result) goes through
+    `core.server_opt.update` (docs/method.md#server-optimizers)."""
+    opt = so.from_config(cfg)
+    if opt is None:
+        return cs.server_messenger(state.messenger, delta_bar, cfg.tau, cfg.local_steps, eta_bar), state.opt
+    d = {k: v * (-cfg.tau * cfg.local_steps * eta_bar) for k, v in delta_bar.items()}
+    return so.update(opt, state.messenger, d, state.opt)
 
 
 def _reject_reason(up: Upload, state: ServerState, cp: ServerCopy | None, sizes: Mapping[str, int],
@@ -421,11 +440,23 @@ def copy_from_record(t: dict, meta: dict) -> ServerCopy:
 
 
 def server_record(s: ServerState) -> tuple[dict, dict]:
-    return {**_pre(s.messenger, "messenger"), **_pre(s.c, "c")}, {"round": s.round, "total_rounds": s.total_rounds}
+    """Tensors messenger/<k>, c/<k> and, once a server optimizer has stepped, server_opt_m/<k> (and server_opt_v/<k>);
+    meta round, total_rounds and then server_opt ({name, step}). Without one the record is what it always was."""
+    ot, om = s.opt.to_record() if s.opt is not None else ({}, {})
+    return ({**_pre(s.messenger, "messenger"), **_pre(s.c, "c"), **ot},
+            {"round": s.round, "total_rounds": s.total_rounds, **om})
 
 
 def server_from_record(t: dict, meta: dict) -> ServerState:
-    return ServerState(meta["round"], meta["total_rounds"], _un(t, "messenger"), _un(t, "c"))
+    # meta "server_opt" is absent in checkpoints written before server optimizers: no state, as with none
+    return ServerState(meta["round"], meta["total_rounds"], _un(t, "messenger"), _un(t, "c"),
+                       so.ServerOptState.from_record(t, meta))
+
+
+def server_to(s: ServerState, device: torch.device | str) -> ServerState:
+    """The server state with every tensor (messenger, c, the server optimizer's moments) on `device`."""
+    return replace(s, messenger={k: v.to(device) for k, v in s.messenger.items()},
+                   c={k: v.to(device) for k, v in s.c.items()}, opt=None if s.opt is None else s.opt.to(device))
 
 
 _BROADCAST = {"round": "int", "gamma": "float", "lrs": "floats", "eta_ins": "floats", "version": "int",

@@ -222,10 +222,24 @@ class CidersConfig:
     client_start: Literal["global", "personalized"] = opt(
         "global", "x_0 of a round: the broadcast messenger, or the client's own last x_K (LocalOT)")
     communicate: bool = opt(True, "false: clients train alone after alignment; nothing is uploaded (LocalOT)")
+    server_optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi"] = opt(
+        "none", "server optimizer on Eq. 12's messenger step d (docs/method.md#server-optimizers): none = Eq. 12 as "
+        "it is; fedavgm = momentum; fedadam / fedyogi = Reddi et al. 2021, as Flower computes them; works with every "
+        "method that aggregates a messenger")
+    server_lr: float | None = opt(
+        None, "server learning rate of server_optimizer (null = Flower's default: fedavgm 1.0, fedadam 0.1, "
+        "fedyogi 0.01)")
+    server_momentum: float = opt(
+        0.9, "fedavgm momentum in [0, 1) (Hsu et al. 0.9; Flower's default 0.0 is plain averaging)")
+    server_beta1: float = opt(0.9, "fedadam / fedyogi first-moment decay in [0, 1) (Flower 0.9)")
+    server_beta2: float = opt(0.99, "fedadam / fedyogi second-moment decay in [0, 1) (Flower 0.99)")
+    server_tau: float = opt(
+        1e-3, "fedadam / fedyogi adaptivity eps > 0 added to sqrt(v) (Reddi et al.'s tau; Flower 1e-3)")
 
     def validate(self) -> None:
         w = "algorithm"
         check_choices(self, w)
+        self._check_server_optimizer(w)
         if self.local_steps < 1:
             raise ConfigError(f"{w}.local_steps: K must be >= 1, got {self.local_steps}")
         for k in ("grad_accum", "batch_size"):
@@ -250,6 +264,33 @@ class CidersConfig:
             raise ConfigError(f"{w}.eps_fd: must be > 0, got {self.eps_fd}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"{w}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+    def _check_server_optimizer(self, w: str) -> None:
+        if self.server_lr is not None and self.server_lr <= 0:
+            raise ConfigError(f"{w}.server_lr: must be > 0 or null (null = the optimizer's default), got {self.server_lr}")
+        if self.server_lr is not None and self.server_optimizer == "none":
+            raise ConfigError(f"{w}.server_lr: only a server optimizer reads it; set {w}.server_optimizer to "
+                              f"fedavgm, fedadam or fedyogi, or drop server_lr")
+        for k, what in (("server_momentum", "fedavgm momentum"), ("server_beta1", "first-moment decay"),
+                        ("server_beta2", "second-moment decay")):
+            if not 0 <= getattr(self, k) < 1:
+                raise ConfigError(f"{w}.{k}: must be in [0, 1) (the {what}; 1 would never forget a step), "
+                                  f"got {getattr(self, k)}")
+        if self.server_tau <= 0:
+            raise ConfigError(f"{w}.server_tau: must be > 0 (it keeps m / (sqrt(v) + tau) finite where v is 0; "
+                              f"Flower uses 1e-3), got {self.server_tau}")
+
+    @staticmethod
+    def from_raw(data: dict, prefix: str = "algorithm") -> dict:
+        """`name: ciders-fo` / `ciders-fd`, as `--algorithms` spells CIDERS, is `name: ciders` with that metagrad."""
+        name = data.get("name")
+        if name not in ("ciders-fo", "ciders-fd"):
+            return data
+        mg = name.split("-")[1]
+        if data.get("metagrad", mg) != mg:
+            raise ConfigError(f"{prefix}.name={name} says metagrad {mg}, but {prefix}.metagrad={data['metagrad']}; "
+                              "drop one of them")
+        return {**data, "name": "ciders", "metagrad": mg}
 
     @property
     def method(self) -> str:

@@ -432,9 +432,7 @@ def _dev(ref: dict) -> torch.device:
 
 
 def _to_device(s: alg.ServerState, ref: dict) -> alg.ServerState:
-    dev = _dev(ref)
-    return alg.ServerState(s.round, s.total_rounds, {k: v.to(dev) for k, v in s.messenger.items()},
-                           {k: v.to(dev) for k, v in s.c.items()})
+    return alg.server_to(s, _dev(ref))  # every field, the server optimizer's moments included
 
 
 def _count(acc: dict, sizes: dict) -> None:
