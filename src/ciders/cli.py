@@ -244,8 +244,8 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
 
 def _brief(r: dict) -> dict:
-    keep = ("ppl", "nll", "tokens", "exact_match", "correct", "questions", "rouge_l", "pass@1", "statuses", "tasks",
-            "examples", "delta_cross", "diag_mean", "off_mean")
+    keep = ("ppl", "nll", "tokens", "exact_match", "strict_match", "flexible_extract", "correct", "questions",
+            "rouge_l", "pass@1", "statuses", "tasks", "examples", "delta_cross", "diag_mean", "off_mean")
     return {k: r[k] for k in keep if k in r}
 
 

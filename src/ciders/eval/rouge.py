@@ -1,5 +1,10 @@
 """ROUGE-L (longest common subsequence F-measure) via Google's rouge-score package, as the Dolly
-evaluations report it; offline (evaluate.load('rouge') needs the hub)."""
+evaluations report it; offline (evaluate.load('rouge') needs the hub).
+
+Tokens are stemmed with the Porter stemmer by default (`RougeScorer(["rougeL"], use_stemmer=True)`: "running"
+and "run" match), whereas Hugging Face evaluate's rouge defaults to use_stemmer=False, so our figures differ from
+scores computed with that default (they agree with `rouge.compute(..., use_stemmer=True)` up to evaluate's bootstrap
+aggregation; we report the plain mean over pairs). `stem=False` gives the unstemmed score."""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ METRICS: dict[str, tuple[str, int, float, str]] = {
     "nll": ("AdapEmu response NLL (global eval)", -1, 1.0, "{:.4f}"),
     "personalized_ppl": ("personalized PPL (own held-out)", -1, 1.0, "{:.3f}"),
     "gsm8k": ("GSM8K acc. %", +1, 100.0, "{:.2f}"),
+    "gsm8k_strict_match": ("GSM8K acc. % (lm-eval strict-match)", +1, 100.0, "{:.2f}"),
+    "gsm8k_flexible_extract": ("GSM8K acc. % (lm-eval flexible-extract)", +1, 100.0, "{:.2f}"),
     "dolly_ppl": ("Dolly PPL", -1, 1.0, "{:.3f}"),
     "rouge_l": ("Dolly ROUGE-L", +1, 1.0, "{:.4f}"),
     "humaneval_python": ("HumanEval-X Py %", +1, 100.0, "{:.1f}"),
@@ -57,6 +59,7 @@ def metrics_of(ev: dict) -> dict[str, float]:
         out["personalized_ppl"] = math.exp(sum(pers) / len(pers))
     if "exact_match" in ev.get("gsm8k", {}):
         out["gsm8k"] = ev["gsm8k"]["exact_match"]
+        out.update({f"gsm8k_{k}": ev["gsm8k"][k] for k in ("strict_match", "flexible_extract") if k in ev["gsm8k"]})
     if "rouge_l" in ev.get("rouge_l", {}):
         out["rouge_l"], out["dolly_ppl"] = ev["rouge_l"]["rouge_l"], ev["rouge_l"]["ppl"]
     for lang in ("python", "java", "go"):
