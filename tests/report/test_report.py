@@ -17,7 +17,8 @@ from helpers import shared
 
 CHROMIUM = Path("/usr/bin/chromium-headless-shell")
 # what every page has; the figure sections say "not available" when their data is missing
-COMMON = ["Communication", "Training loss and evaluation curves", "Cross-domain NLL matrices",
+COMMON = ["Communication", "Training loss and evaluation curves", "Quality against communication and wall-clock time",
+          "Cross-domain NLL matrices",
           "Consensus dynamics (E-RAE, S-DR, S-PPR)", "PCA paths of the client statistics",
           "Finite-difference correction profile", "Configuration"]
 RUN_SECTIONS = (["Final metrics", "Evaluation before / after training"] + COMMON[:-1]
@@ -28,7 +29,7 @@ RUN_SECTIONS = (["Final metrics", "Evaluation before / after training"] + COMMON
 def compare_dir(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("report")
     cfg = tmp / "tiny.yaml"
-    cfg.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("data/", f"{ROOT}/data/"))
+    cfg.write_text((ROOT / "configs" / "tiny.yaml").read_text().replace("../data/", f"{ROOT}/data/"))
     out = tmp / "cmp"
     assert main(["compare", str(cfg), "--algorithms", "ciders-fo,ciders-fd,fedavg", "--seeds", "0,1",
                  "--out", str(out), "--set", "federation.rounds=3"]) == 0
@@ -64,12 +65,12 @@ def headings(dom: str) -> list[str]:
 def test_compare_report(compare_dir, tmp_path):
     index = write_report(compare_dir, out=tmp_path)
     assert index == tmp_path / "report" / "index.html"
-    dom = open_page(index, {"loss", "eval", "consensus", "pca", "fd"})
+    dom = open_page(index, {"loss", "eval", "comm", "wall", "consensus", "pca", "fd"})
     assert "<h1>Comparison report: tiny — 3 methods × 2 seeds</h1>" in dom
     assert headings(dom) == ["Comparison table", "Per-seed metrics"] + COMMON
     assert dom.count("<b>") >= 1 and dom.count("<u>") >= 1  # best / second of the comparison table
     for m in ("ciders-fo", "ciders-fd", "fedavg"):
-        assert dom.count(f"<tr><td>{m}</td><td>") >= 2  # two per-seed rows
+        assert dom.count(f'<tr><td>{m}</td><td class="num">') >= 2  # two per-seed rows
     assert "down: messenger" in dom and "up: dc" in dom and "<details>" in dom
     assert "NLL matrix (eval.tasks without nll_matrix): not available in these runs." in dom
 
@@ -78,12 +79,12 @@ def test_run_reports(compare_dir, tmp_path):
     fd_run = compare_dir / "ciders-fd" / "seed0"
     index = write_report(fd_run)  # default: inside the run directory
     assert index == fd_run / "report" / "index.html"
-    dom = open_page(index, {"loss", "eval", "consensus", "pca", "fd"})
+    dom = open_page(index, {"loss", "eval", "comm", "wall", "consensus", "pca", "fd"})
     assert "<h1>Run report: tiny-ciders-fd-seed0 (ciders-fd, seed 0)</h1>" in dom
     assert headings(dom) == RUN_SECTIONS
     assert "small % (≤ 0.1)" in dom and "DR_ref" in dom and "(before)" in dom
 
-    dom = open_page(write_report(compare_dir / "fedavg" / "seed1", out=tmp_path), {"loss", "eval"})
+    dom = open_page(write_report(compare_dir / "fedavg" / "seed1", out=tmp_path), {"loss", "eval", "comm", "wall"})
     assert headings(dom) == RUN_SECTIONS
     assert "consensus statistics (no run with gamma &gt; 0): not available in this run." in dom
     assert "FD correction (no second-order / FD run): not available in this run." in dom
@@ -100,7 +101,8 @@ def test_domains_run_draws_the_nll_matrix(tmp_path):
     (tmp_path / "b.yaml").write_text("name: b\n")
     run = tmp_path / "b"
     assert main(["run", str(tmp_path / "b.yaml"), "--out", str(run), *[x for v in sets for x in ("--set", v)]]) == 0
-    dom = open_page(write_report(run), {"loss", "eval", "nll", "consensus", "pca"})
+    # one round: the loss and consensus panels would hold one point each, so they are left out
+    dom = open_page(write_report(run), {"eval", "comm", "wall", "nll", "pca"})
     assert "NLL in-domain (mean L_ii)" in dom and "Delta_cross" in dom
 
 

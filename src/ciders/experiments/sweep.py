@@ -55,8 +55,10 @@ def run_sweep(cfg: ExperimentConfig, grid: list[tuple[str, list[str]]], methods:
     for i, (name, c) in enumerate(pts):
         log(f"== sweep point {i + 1}/{len(pts)}: {name}")
         res = run_compare(c, methods, seeds, out / name, make_task=make_task, log=log, progress=progress)
+        kw = c.decomposition.split_kwargs()  # the point's drop ratio (1 - beta; None when n' is given)
         rows.append({"point": name, "values": dict(kv.split("=", 1) for kv in name.split(",")),
-                     "aggregate": res["aggregate"]})
+                     "aggregate": res["aggregate"],
+                     "drop_ratio": kw.get("drop_ratio", 1 - kw["beta"] if "beta" in kw else None)})
     result = {"config": cfg.name, "grid": grid, "methods": methods, "seeds": seeds, "metrics": list(metrics), "rows": rows}
     write_json(out / "sweep.json", result)
     write_text(out / "sweep.md", markdown(result))

@@ -4,6 +4,8 @@ so the figures can be redrawn from any source of the same numbers."""
 
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +19,13 @@ DPI = 110
 # the r_FD class boundaries (ciders.core.metagrad.fd_class) drawn on the FD profile;
 # docs/method.md#eq-7-finite-difference-meta-gradient-fd
 THRESHOLDS = (0.1, 0.2)
+
+# The round convention of every figure: metrics.jsonl numbers rounds from 0 and writes what precedes the
+# first round (pre-alignment, the evaluation before training) as round -1; the figures draw record round t
+# at x = t + 1, so a per-round statistic sits at its 1-based round and an evaluation at the number of rounds
+# completed (0: before training), the same x for the same round everywhere.
+ROUND_AXIS = "round (1 = the first)"
+EVAL_AXIS = "rounds completed (0 = before training)"
 
 # {method: [one {x: y} per seed]}: the shape every seed-band curve takes
 Seeds = dict[str, list[dict[float, float]]]
@@ -43,10 +52,23 @@ def _grid(n: int, ncols: int, w: float = 4.2, h: float = 3.2, layout: str | None
     return fig, list(axes.flat[:n])
 
 
-def seed_curves(panels: dict[str, Seeds], path: str | Path, xlabel: str = "round",
-                colors: dict[str, str] | None = None, title: str = "") -> Path:
+def informative(points) -> bool:
+    """Whether a panel's (x, y) points say anything: at least two finite points, and neither axis
+    constant (a constant gamma_t stacks every round on one x; one point is no curve)."""
+    pts = [(float(x), float(y)) for x, y in points
+           if isinstance(x, numbers.Real) and isinstance(y, numbers.Real) and np.isfinite(x) and np.isfinite(y)]
+    return len(pts) >= 2 and len({x for x, _ in pts}) > 1 and len({y for _, y in pts}) > 1
+
+
+def seed_curves(panels: dict[str, Seeds], path: str | Path, xlabel: str = ROUND_AXIS,
+                colors: dict[str, str] | None = None, title: str = "") -> Path | None:
     """One panel per quantity: per method the mean over seeds, with the min-max band over seeds (the
-    band is only drawn where every seed has the point, so a missing seed cannot fake a narrow band)."""
+    band is only drawn where every seed has the point, so a missing seed cannot fake a narrow band).
+    Panels that carry no information (`informative`) are left out; None when none is left."""
+    panels = {k: v for k, v in panels.items()
+              if informative([(x, y) for seeds in v.values() for s in seeds for x, y in s.items()])}
+    if not panels:
+        return None
     fig, axes = _grid(len(panels), 3)
     for ax, (label, methods) in zip(axes, panels.items()):
         for i, (m, seeds) in enumerate(methods.items()):
@@ -66,6 +88,52 @@ def seed_curves(panels: dict[str, Seeds], path: str | Path, xlabel: str = "round
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+@dataclass
+class Panel:
+    """One x-y panel: per series (a legend entry) one or more lines (e.g. one per seed), each a list of
+    (x, y) or (x, y, yerr) points; yerr > 0 is drawn as an error bar."""
+    title: str
+    xlabel: str
+    ylabel: str
+    series: dict[str, list[list[tuple]]] = field(default_factory=dict)
+
+    def points(self) -> list[tuple]:
+        return [p[:2] for lines in self.series.values() for line in lines for p in line]
+
+
+def xy_panels(panels: list[Panel], path: str | Path, colors: dict[str, str] | None = None,
+              ncols: int = 3) -> Path | None:
+    """Quality against a resource (communication, wall clock, stored MiB, drop ratio): per series its
+    lines, points joined in x order. Panels without information (`informative`) are left out; None
+    when none is left."""
+    panels = [p for p in panels if informative(p.points())]
+    if not panels:
+        return None
+    fig, axes = _grid(len(panels), ncols, w=4.6, h=3.4)
+    for ax, p in zip(axes, panels):
+        for i, (name, lines) in enumerate(p.series.items()):
+            c = _color(colors, name, i)
+            for j, line in enumerate(lines):
+                pts = sorted(q for q in line if np.isfinite(q[0]) and np.isfinite(q[1]))
+                if not pts:
+                    continue
+                x, y = [q[0] for q in pts], [q[1] for q in pts]
+                err = [q[2] if len(q) > 2 else 0.0 for q in pts]
+                lab = (f"{name} (n={len(lines)})" if len(lines) > 1 else name) if j == 0 else None
+                if any(e > 0 for e in err):
+                    ax.errorbar(x, y, yerr=err, fmt="o-", ms=3, capsize=3, color=c, label=lab)
+                else:
+                    ax.plot(x, y, "o-", ms=3, color=c, alpha=0.9 if len(lines) == 1 else 0.6, label=lab)
+        ax.set_title(p.title, fontsize=10)
+        ax.set_xlabel(p.xlabel)
+        ax.set_ylabel(p.ylabel, fontsize=8.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5)
+        ax.ticklabel_format(axis="y", useOffset=False)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -102,39 +170,51 @@ CONSENSUS = (("e_rae", "E-RAE", None), ("s_dr", "S-DR", "dr_ref"), ("s_ppr", "S-
 
 
 def consensus(per_method: dict[str, tuple[list[dict], list[dict]]], path: str | Path,
-              colors: dict[str, str] | None = None) -> Path:
+              colors: dict[str, str] | None = None) -> Path | None:
     """E-RAE, S-DR and S-PPR per round (mean over clients, p10-p90 band) beside the idealised psi_t
-    reference (DR_ref = 1 - psi_t, PPR_ref = psi_t), and the same against gamma_t (Figs. 4-5)."""
-    fig, axes = plt.subplots(2, 3, figsize=(12.6, 6.4), squeeze=False)
+    reference (DR_ref = 1 - psi_t, PPR_ref = psi_t), and the same against gamma_t (Figs. 4-5). A panel
+    without information is left out (`informative`: e.g. the gamma_t row of a constant gamma, or one
+    round); None when none is left."""
+    data = {}  # (row, key) -> [(method, colour, x, y, lo, hi, reference rows)]
     for i, (m, (means, ref)) in enumerate(per_method.items()):
         c = _color(colors, m, i)
         gamma = {r["round"]: r["gamma"] for r in ref}
-        for col, (key, label, ref_key) in enumerate(CONSENSUS):
+        for key, _, ref_key in CONSENSUS:
             rs = [r for r in means if key in r]
-            t = np.array([r["round"] + 1 for r in rs])
-            g = np.array([gamma.get(r["round"], np.nan) for r in rs])
-            y, lo, hi = (np.array([r[k] for r in rs]) for k in (key, f"{key}_p10", f"{key}_p90"))
-            top, bottom = axes[0][col], axes[1][col]
-            top.plot(t, y, "o-", ms=3, color=c, label=m)
-            top.fill_between(t, lo, hi, color=c, alpha=0.2, lw=0)
-            # the p10-p90 range as a line beside the mean (a mean can lie outside it: few, skewed clients)
-            bottom.vlines(g, lo, hi, color=c, alpha=0.8, lw=1)
-            bottom.plot(g, y, "o", ms=3, color=c, alpha=0.8, label=m)
-            if ref_key:
-                rt = [r for r in ref if r["round"] + 1 <= (t.max() if t.size else 0)]
-                top.plot([r["round"] + 1 for r in rt], [r[ref_key] for r in rt], "--", color=c,
-                         label=f"{m}: {ref_key} (psi_t)")
-                order = sorted(rt, key=lambda r: r["gamma"])
-                bottom.plot([r["gamma"] for r in order], [r[ref_key] for r in order], "x--", color=c,
+            t = np.array([r["round"] + 1 for r in rs], dtype=float)  # rounds completed, as every figure
+            g = np.array([gamma.get(r["round"], np.nan) for r in rs], dtype=float)
+            y, lo, hi = (np.array([r[k] for r in rs], dtype=float) for k in (key, f"{key}_p10", f"{key}_p90"))
+            rt = [r for r in ref if r["round"] + 1 <= (t.max() if t.size else 0)] if ref_key else []
+            data.setdefault(("top", key), []).append((m, c, t, y, lo, hi, rt))
+            data.setdefault(("bottom", key), []).append((m, c, g, y, lo, hi, rt))
+    keep = [(row, key, label, ref_key) for row in ("top", "bottom") for key, label, ref_key in CONSENSUS
+            if informative([(x, v) for *_, xs, ys, _lo, _hi, _rt in data.get((row, key), []) for x, v in zip(xs, ys)])]
+    if not keep:
+        return None
+    fig, axes = _grid(len(keep), 3, w=4.2, h=3.2)
+    for ax, (row, key, label, ref_key) in zip(axes, keep):
+        for m, c, x, y, lo, hi, rt in data[(row, key)]:
+            if row == "top":
+                ax.plot(x, y, "o-", ms=3, color=c, label=m)
+                ax.fill_between(x, lo, hi, color=c, alpha=0.2, lw=0)
+                if ref_key:
+                    ax.plot([r["round"] + 1 for r in rt], [r[ref_key] for r in rt], "--", color=c,
                             label=f"{m}: {ref_key} (psi_t)")
-            top.set_title(f"{label} per round", fontsize=10)
-            bottom.set_title(f"{label} against gamma_t", fontsize=10)
-            top.set_xlabel("round")
-            top.xaxis.set_major_locator(MaxNLocator(integer=True))
-            bottom.set_xlabel("gamma_t")
-            if len(set(g[np.isfinite(g)])) == 1:  # a constant gamma stacks the rounds on one x
-                bottom.set_title(f"{label} against gamma_t (constant {g[0]:g}, one point per round)", fontsize=8.5)
-    for ax in axes.flat:
+            else:
+                # the p10-p90 range as a line beside the mean (a mean can lie outside it: few, skewed clients)
+                ax.vlines(x, lo, hi, color=c, alpha=0.8, lw=1)
+                ax.plot(x, y, "o", ms=3, color=c, alpha=0.8, label=m)
+                if ref_key:
+                    order = sorted(rt, key=lambda r: r["gamma"])
+                    ax.plot([r["gamma"] for r in order], [r[ref_key] for r in order], "x--", color=c,
+                            label=f"{m}: {ref_key} (psi_t)")
+        if row == "top":
+            ax.set_title(f"{label} per round", fontsize=10)
+            ax.set_xlabel(ROUND_AXIS)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        else:
+            ax.set_title(f"{label} against gamma_t", fontsize=10)
+            ax.set_xlabel("gamma_t")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
         ax.ticklabel_format(axis="y", useOffset=False)
@@ -189,10 +269,12 @@ def fd_profile(fds: dict[str, dict], path: str | Path, colors: dict[str, str] | 
         hist.set_xscale("log")
         over.set_yscale("log")
         hist.set(xlabel="r_FD per local step", ylabel="steps", title=f"{m}: r_FD histogram")
-        over.set(xlabel="round", ylabel="r_FD", title=f"{m}: r_FD per step")
+        over.set(xlabel=ROUND_AXIS, ylabel="r_FD", title=f"{m}: r_FD per step")
         over.xaxis.set_major_locator(MaxNLocator(integer=True))
         for ax in (hist, over):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+        if len({s["round"] for s in steps}) < 2:  # one round: the per-round panel says nothing more
+            over.set_visible(False)
     fig.tight_layout()
     return _save(fig, path)

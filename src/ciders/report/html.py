@@ -1,6 +1,8 @@
-"""`ciders report RUN_DIR|COMPARE_DIR`: one self-contained HTML page (inline CSS, the figures embedded
-as base64 PNG, no external resources) with the comparison / communication tables and the figures of
-`ciders.report.figures`, written to <dir>/report/index.html beside the fig_*.png it embeds.
+"""`ciders report RUN_DIR|COMPARE_DIR|SWEEP_DIR|BILEVEL_DIR`: one self-contained HTML page (inline CSS, the
+figures embedded as base64 PNG, no external resources) with the comparison / communication / sweep tables (HTML
+tables, the seed std beside each mean of several seeds) and the figures of `ciders.report.figures`, written to
+<dir>/report/index.html beside the fig_*.png it embeds. Figures draw record round t at x = t + 1
+(`figures.ROUND_AXIS`), and leave out panels without information (`figures.informative`).
 
 A run directory is shown as a one-method, one-seed group, so both kinds of directory share every
 section; a section whose data the runs lack says so instead of failing."""
@@ -11,6 +13,7 @@ import base64
 import html
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,12 +25,15 @@ from ciders.fileio import check_output, output_dir, write_text
 from ciders.report import diagnostics as dg
 from ciders.report import figures, tables
 
+MIB = 2**20  # bytes (ciders.federation.rundir.MIB)
+
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1400px; padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; } h3 { font-size: 1.05em; }
 table { border-collapse: collapse; margin: .6em 0; font-size: 13px; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
-th { background: #f2f2f2; } td:first-child, th:first-child { text-align: left; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f2f2f2; text-align: center; } td.num { text-align: right; font-variant-numeric: tabular-nums;
+white-space: nowrap; } .sd { color: #666; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption, .note { color: #555; font-size: 12.5px; } .na { color: #a33; font-style: italic; }
 pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: 12px; }
@@ -82,11 +88,15 @@ class Page:
     def missing(self, what: str) -> None:
         self.add(f'<p class="na">{esc(what)}: not available in {self.scope}.</p>')
 
-    def figure(self, name: str, draw: Callable[[Path], Path], caption: str) -> None:
+    def figure(self, name: str, draw: Callable[[Path], Path | None], caption: str) -> bool:
+        """Draw and embed fig_<name>.png; False (nothing added) when `draw` left every panel out."""
         png = draw(self.folder / f"fig_{name}.png")
+        if png is None:
+            return False
         data = base64.b64encode(png.read_bytes()).decode("ascii")
         self.add(f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{data}">'
                  f'<figcaption>{esc(caption)} ({esc(png.name)})</figcaption></figure>')
+        return True
 
     def render(self, title: str, intro: str) -> str:
         nav = " ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in self.toc)
@@ -99,11 +109,60 @@ def esc(x: object) -> str:
     return html.escape(str(x))
 
 
-def table(head: list[str], rows: list[list[str]]) -> str:
-    """An HTML table; head and cells are already HTML (escape text with `esc`)."""
-    th = "".join(f"<th>{h}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+NUMERIC = re.compile(r"^\s*(–|-|[-+−]?(\d[\d,]*\.?\d*|\.\d+)([eE][-+]?\d+)?\s*%?(\s*(±|/).*)?)\s*$")
+
+
+def _cell(c: str) -> str:
+    """A cell, right-aligned (class num) when it shows a number (tags aside), e.g. '1.23 ± 0.04' or '–'."""
+    return f'<td class="num">{c}</td>' if NUMERIC.match(re.sub("<[^>]+>", "", c)) else f"<td>{c}</td>"
+
+
+def table(head: list[str], rows: list[list[str]], thead: str | None = None) -> str:
+    """An HTML table; head and cells are already HTML (escape text with `esc`). `thead`: the header rows'
+    HTML instead of one row from `head` (e.g. grouped columns)."""
+    th = thead if thead is not None else "<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+    body = "".join("<tr>" + "".join(_cell(c) for c in r) + "</tr>" for r in rows)
+    return f"<table><thead>{th}</thead><tbody>{body}</tbody></table>"
+
+
+def spread(key: str, a: dict | None) -> str:
+    """A metric's mean over seeds, its seed std beside it when there are several seeds ('–' if none)."""
+    if not a or a.get("mean") is None:
+        return "–"
+    n = a.get("n", len(a.get("values", [])) or 1)
+    sd = f'<span class="sd"> ± {metric(key, a["std"])}</span>' if n > 1 and a.get("std") is not None else ""
+    return metric(key, a["mean"]) + sd
+
+
+def md_html(text: str) -> str:
+    """The markdown that sweep.md / table.md / bilevel.md hold, as HTML: pipe tables become tables (the
+    first row the header, the separator row dropped), **x** bold, <u>x</u> underlined, '### x' a heading,
+    other lines paragraphs."""
+    out, block = [], []
+
+    def inline(t: str) -> str:
+        t = esc(t.strip()).replace("&lt;u&gt;", "<u>").replace("&lt;/u&gt;", "</u>")
+        return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", t)
+
+    def flush() -> None:
+        if not block:
+            return
+        cells = [[c for c in ln.strip().strip("|").split("|")] for ln in block]
+        rows = [r for r in cells[1:] if not all(re.fullmatch(r"\s*:?-{3,}:?\s*", c) for c in r)]
+        out.append(table([inline(c) for c in cells[0]], [[inline(c) for c in r] for r in rows]))
+        block.clear()
+
+    for ln in text.splitlines():
+        if ln.lstrip().startswith("|"):
+            block.append(ln)
+            continue
+        flush()
+        if ln.startswith("#"):
+            out.append(f"<h3>{inline(ln.lstrip('#'))}</h3>")
+        elif ln.strip():
+            out.append(f'<p class="note">{inline(ln)}</p>')
+    flush()
+    return "\n".join(out)
 
 
 def num(v: float | None, fmt: str = "{:.4g}") -> str:
@@ -157,11 +216,9 @@ def curves(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> None
     panels = {"mean client training loss": loss, "server TAKD loss": takd}
     panels = {k: {m: s for m, s in v.items() if any(s)} for k, v in panels.items()}
     panels = {k: v for k, v in panels.items() if v}
-    if panels:
-        page.figure("loss", lambda p: figures.seed_curves(panels, p, colors=colors),
-                    "Per round; with several seeds their mean, band: min-max over seeds.")
-    else:
-        page.missing("training loss")
+    if not (panels and page.figure("loss", lambda p: figures.seed_curves(panels, p, colors=colors),
+                                   "Per round; with several seeds their mean, band: min-max over seeds.")):
+        page.missing("training loss (panels with one point or a constant value are left out)")
     evals: dict[str, dict] = {}
     for g in groups.values():
         for run in g.runs:
@@ -171,12 +228,69 @@ def curves(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> None
                     per.setdefault(k, {})[ev["round"] + 1] = v * tables.METRICS[k][2]
             for k, xs in per.items():
                 evals.setdefault(k, {}).setdefault(g.method, []).append(xs)
-    if evals:
-        by_label = {tables.METRICS[k][0]: evals[k] for k in tables.METRICS if k in evals}
-        page.figure("eval", lambda p: figures.seed_curves(by_label, p, xlabel="rounds completed", colors=colors),
-                    "Evaluations over rounds (0 = before training); with several seeds their mean, band: min-max.")
-    else:
-        page.missing("evaluation curves")
+    by_label = {tables.METRICS[k][0]: evals[k] for k in tables.METRICS if k in evals}
+    if not (by_label and page.figure(
+            "eval", lambda p: figures.seed_curves(by_label, p, xlabel=figures.EVAL_AXIS, colors=colors),
+            "Evaluations over rounds (0 = before training); with several seeds their mean, band: min-max.")):
+        page.missing("evaluation curves (panels with one point or a constant value are left out)")
+
+
+def _round_seconds(run: dg.Run) -> dict[int, float]:
+    """{round: wall-clock seconds} from timing.jsonl (the wall clock is kept out of metrics.jsonl): each
+    round's record {"round": t, "seconds": s}, from the round's start to its commit (its evaluation
+    included); round -1 (pre-alignment and the first evaluation) is not a training round."""
+    from ciders.fileio import read_jsonl
+
+    p = run.root / "timing.jsonl"
+    rows = read_jsonl(p) if p.is_file() else []
+    return {r["round"]: float(r["seconds"]) for r in rows
+            if isinstance(r.get("round"), int) and r["round"] >= 0 and "client" not in r and _finite(r.get("seconds"))}
+
+
+def progress(run: dg.Run) -> list[dict]:
+    """Per evaluation of the run: its rounds completed (record round + 1), the cumulative communication up
+    to it in MiB (bytes down + up of every round record so far, all clients), the cumulative wall-clock
+    seconds of the training rounds so far (None where a round's time is missing) and its metrics (scaled
+    as tables.METRICS shows them). The evaluation before training (round -1) is at 0 MiB and 0 s."""
+    mib, total = {-1: 0.0}, 0
+    for r in sorted(run.events("round"), key=lambda r: r["round"]):
+        total += sum(r.get("bytes_down", {}).values()) + sum(r.get("bytes_up", {}).values())
+        mib[r["round"]] = total / MIB
+    secs, clock, per = {-1: 0.0}, 0.0, _round_seconds(run)
+    for t in range(max(per, default=-1) + 1):
+        if t not in per:
+            break
+        clock += per[t]
+        secs[t] = clock
+    return [{"round": ev["round"] + 1, "mib": mib.get(ev["round"]), "seconds": secs.get(ev["round"]),
+             "metrics": {k: v * tables.METRICS[k][2] for k, v in tables.metrics_of(ev).items()}}
+            for ev in run.events("eval")]
+
+
+def axis_label(key: str) -> str:
+    """A metric's name and its direction, for a figure axis."""
+    name, sign, _, _ = tables.METRICS[key]
+    return name + {1: " (higher is better)", -1: " (lower is better)", 0: ""}[sign]
+
+
+def efficiency(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> None:
+    """Quality against cumulative communication (MiB, up + down) and against training wall-clock seconds."""
+    page.section("Quality against communication and wall-clock time")
+    prog = {name: [progress(run) for run in g.runs] for name, g in groups.items()}
+    keys = [k for k in tables.METRICS if any(k in e["metrics"] for runs in prog.values() for p in runs for e in p)]
+    for name, (field, xlabel, what) in {
+            "comm": ("mib", "cumulative communication, MiB (down + up, all clients)", "communication"),
+            "wall": ("seconds", "wall-clock seconds of the training rounds", "wall-clock time")}.items():
+        panels = [figures.Panel(f"{tables.METRICS[k][0]} against {what}", xlabel, axis_label(k), {
+            m: [[(e[field], e["metrics"][k]) for e in p if e[field] is not None and k in e["metrics"]] for p in runs]
+            for m, runs in prog.items()}) for k in keys]
+        caption = ("Each evaluation (the first: before training, at 0) against the bytes of every round record "
+                   "so far, down + up over all clients, in MiB; one line per seed." if name == "comm" else
+                   "Each evaluation against the summed wall-clock time of the rounds so far (timing.jsonl: round "
+                   "start to commit, evaluation included; pre-alignment and the first evaluation left out); one "
+                   "line per seed.")
+        if not (keys and page.figure(name, lambda p: figures.xy_panels(panels, p, colors=colors), caption)):
+            page.missing(f"quality against {what} (needs two evaluations at different {what})")
 
 
 def heatmaps(page: Page, groups: dict[str, Group]) -> None:
@@ -208,9 +322,11 @@ def consensus(page: Page, groups: dict[str, Group], colors: dict[str, str]) -> N
         page.missing("consensus statistics (no run with gamma > 0)")
         return
     data = {m: (dg.round_means(g.pooled()), dg.psi_reference(g.runs[0])) for m, g in ciders.items()}
-    page.figure("consensus", lambda p: figures.consensus(data, p, colors=colors),
-                "Mean over clients (and seeds) per round, band / bars: 10th-90th percentile; dashed: the "
-                "idealised reference (DR_ref = 1 - psi_t, PPR_ref = psi_t). Lower row: against gamma_t.")
+    if not page.figure("consensus", lambda p: figures.consensus(data, p, colors=colors),
+                       "Mean over clients (and seeds) per round, band / bars: 10th-90th percentile; dashed: the "
+                       "idealised reference (DR_ref = 1 - psi_t, PPR_ref = psi_t); then the same against gamma_t "
+                       "(left out when gamma_t is constant)."):
+        page.missing("consensus statistics with more than one round")
 
 
 def pca(page: Page, groups: dict[str, Group]) -> None:
@@ -286,6 +402,7 @@ def config(page: Page, text: str, name: str) -> None:
 def _figures(page: Page, groups: dict[str, Group]) -> None:
     colors = {m: f"C{i % 10}" for i, m in enumerate(groups)}
     curves(page, groups, colors)
+    efficiency(page, groups, colors)
     heatmaps(page, groups)
     consensus(page, groups, colors)
     pca(page, groups)
@@ -305,12 +422,12 @@ def compare_page(root: Path, page: Page) -> str:
         for m, v in agg.items():
             cells = [esc(m)]
             for k in keys:
-                s = f"{metric(k, v[k]['mean'])} ± {metric(k, v[k]['std'])}" if k in v else "–"
+                s = spread(k, v.get(k))
                 r = rk[k].get(m)
                 cells.append(f"<b>{s}</b>" if r == 1 else f"<u>{s}</u>" if r == 2 else s)
             rows.append(cells)
-        page.add(f'<p class="note">Final evaluation, mean ± std over seeds {esc(", ".join(map(str, info["seeds"])))};'
-                 " <b>best</b>, <u>second</u> at the shown precision.</p>")
+        page.add(f'<p class="note">Final evaluation, mean ± sample std over seeds {esc(", ".join(map(str, info["seeds"])))}'
+                 " (the std where a method has several seeds); <b>best</b>, <u>second</u> at the shown precision.</p>")
         page.add(table(["method"] + [label(k) for k in keys], rows))
     else:
         page.missing("comparison metrics")
@@ -323,7 +440,7 @@ def compare_page(root: Path, page: Page) -> str:
     _figures(page, groups)
     if (root / "sweep.md").is_file():
         page.section("Sweep")
-        page.add(f"<pre>{esc((root / 'sweep.md').read_text())}</pre>")
+        page.add(md_html((root / "sweep.md").read_text()))
     if (root / "base_config.yaml").is_file():
         config(page, (root / "base_config.yaml").read_text(), "base_config.yaml (each method then fixes its own knobs)")
     if lost:
@@ -368,13 +485,117 @@ def run_page(root: Path, page: Page) -> str:
     return f"Run report: {run.cfg.name} ({run.method}, seed {run.cfg.seed})"
 
 
+SIZE_KEYS = ("stored_mib", "mib_down", "mib_up")  # resources, not quality
+
+
+def sweep_table(info: dict) -> str:
+    """Rows: grid points; per method a column per metric of the sweep, mean with the seed std beside it
+    (several seeds), the best method of each metric within a row in bold (by the metric's direction)."""
+    keys, methods = [k for k, _ in info["grid"]], info["methods"]
+    metrics = [k for k in info.get("metrics", []) if k in tables.METRICS]
+    thead = ("<tr>" + "".join(f'<th rowspan="2">{esc(k)}</th>' for k in keys)
+             + "".join(f'<th colspan="{len(metrics)}">{esc(m)}</th>' for m in methods) + "</tr><tr>"
+             + "".join(f"<th>{label(k)}</th>" for _ in methods for k in metrics) + "</tr>")
+    rows = []
+    for row in info.get("rows", []):
+        agg = row.get("aggregate", {})
+        best = {}
+        for k in metrics:
+            vals = {m: agg.get(m, {}).get(k, {}).get("mean") for m in methods}
+            vals = {m: float(metric(k, v)) for m, v in vals.items() if _finite(v)}
+            if tables.METRICS[k][1] and len(set(vals.values())) > 1:
+                best[k] = (max if tables.METRICS[k][1] > 0 else min)(vals, key=vals.get)
+        cells = [esc(row.get("values", {}).get(k, "–")) for k in keys]
+        for m in methods:
+            for k in metrics:
+                c = spread(k, agg.get(m, {}).get(k))
+                cells.append(f"<b>{c}</b>" if best.get(k) == m else c)
+        rows.append(cells)
+    return table([], rows, thead=thead)
+
+
+def _drop_ratio(row: dict) -> float | None:
+    """The point's drop ratio: recorded by `ciders sweep`, else its grid value (drop_ratio, or 1 - beta)."""
+    if _finite(row.get("drop_ratio")):
+        return float(row["drop_ratio"])
+    v = row.get("values", {})
+    try:
+        if "decomposition.drop_ratio" in v:
+            return float(v["decomposition.drop_ratio"])
+        if "decomposition.beta" in v:
+            return 1 - float(v["decomposition.beta"])
+    except ValueError:
+        pass
+    return None
+
+
+def tradeoff_panels(info: dict) -> list[figures.Panel]:
+    """The paper's Table V as figures: per quality metric of the sweep, its final value (mean over seeds,
+    error bar: seed std) against the stored MiB of the edge model's LoRA and against the drop ratio; one line
+    per method and setting of the other grid keys."""
+    rows, methods = info.get("rows", []), info["methods"]
+    quality = [k for k in info.get("metrics", []) if k in tables.METRICS and k not in SIZE_KEYS and tables.METRICS[k][1]]
+    if not quality:
+        have = {k for r in rows for a in r.get("aggregate", {}).values() for k in a}
+        quality = [k for k in ("ppl", "nll") if k in have][:1]
+    other = [k for k, _ in info["grid"] if k not in ("decomposition.drop_ratio", "decomposition.beta")]
+    panels = []
+    for q in quality:
+        scale = tables.METRICS[q][2]
+        for xname, what, xlabel in (
+                ("stored_mib", "stored MiB", "stored edge LoRA, MiB (FP32, measured from the saved adapters)"),
+                ("drop_ratio", "drop ratio", "drop ratio (1 - beta)")):
+            series: dict = {}
+            for r in rows:
+                for m in methods:
+                    a = r.get("aggregate", {}).get(m, {})
+                    x = a.get("stored_mib", {}).get("mean") if xname == "stored_mib" else _drop_ratio(r)
+                    if q not in a or not _finite(x):
+                        continue
+                    name = ", ".join([m] + [f"{k.rsplit('.', 1)[-1]}={r['values'][k]}" for k in other if k in r.get("values", {})])
+                    err = a[q]["std"] * scale if a[q].get("n", 1) > 1 else 0.0
+                    series.setdefault(name, [[]])[0].append((float(x), a[q]["mean"] * scale, err))
+            panels.append(figures.Panel(f"{tables.METRICS[q][0]} against {what}", xlabel,
+                                        axis_label(q), series))
+    return panels
+
+
+def sweep_groups(root: Path, info: dict) -> tuple[dict[str, Group], list[str]]:
+    """Every point's runs, a group per (method, point)."""
+    groups, lost = {}, []
+    for row in info.get("rows", []):
+        d = root / row["point"]
+        if not (d / "compare.json").is_file():
+            lost.append(f"{row['point']} ({d})")
+            continue
+        gs, miss = compare_groups(d, json.loads((d / "compare.json").read_text()))
+        short = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in row.get("values", {}).items()) or row["point"]
+        groups.update({f"{m} @ {short}": Group(f"{m} @ {short}", g.seeds, g.runs) for m, g in gs.items()})
+        lost += miss
+    return groups, lost
+
+
 def sweep_page(root: Path, page: Page) -> str:
     info = json.loads((root / "sweep.json").read_text())
+    page.scope = "this sweep"
     page.section("Sweep table")
-    if (root / "sweep.md").is_file():
-        page.add(f"<pre>{esc((root / 'sweep.md').read_text())}</pre>")
+    seeds = ", ".join(map(str, info.get("seeds", [])))
+    page.add(f'<p class="note">Final evaluation per grid point, mean over seeds {esc(seeds)} with the sample std '
+             "beside it where there are several seeds; <b>best</b> method of each metric within a row.</p>")
+    page.add(sweep_table(info))
+    page.section("Quality against stored size and drop ratio (Table V)")
+    if not page.figure("tradeoff", lambda p: figures.xy_panels(tradeoff_panels(info), p, ncols=2),
+                       "Final metric of each grid point (mean over seeds, bar: seed std) against the stored FP32 "
+                       "LoRA MiB of the edge model (adapters/messenger + student) and against the drop ratio; a "
+                       "panel whose axis does not vary or that has one point is left out."):
+        page.missing("quality against stored size or drop ratio (needs points that differ in it)")
+    groups, lost = sweep_groups(root, info)
+    colors = {m: f"C{i % 10}" for i, m in enumerate(groups)}
+    efficiency(page, groups, colors)
     page.add('<p class="note">Each point is a comparison directory; `ciders report` on one draws its figures: '
              + esc(", ".join(r["point"] for r in info.get("rows", []))) + "</p>")
+    if lost:
+        page.add(f'<p class="na">runs not found: {esc("; ".join(lost))}</p>')
     return f"Sweep report: {info.get('config', root.name)}"
 
 
@@ -387,9 +608,10 @@ def _bilevel_curves(runs: dict[str, dict[str, list[Path]]]) -> dict:
         for m, dirs in methods.items():
             for d in dirs:
                 rows = read_jsonl(d / "metrics.jsonl")
-                ev = {r["round"]: 100 * r.get("accuracy", r.get("balanced_accuracy", float("nan")))
+                # x = record round + 1, as every figure (figures.ROUND_AXIS): the evaluation before training at 0
+                ev = {r["round"] + 1: 100 * r.get("accuracy", r.get("balanced_accuracy", float("nan")))
                       for r in rows if r["event"] == "eval"}
-                cov = {r["round"]: r["covering_x"] for r in rows if r["event"] == "round"}
+                cov = {r["round"] + 1: r["covering_x"] for r in rows if r["event"] == "round"}
                 panels.setdefault(f"{point}: accuracy %", {}).setdefault(m, []).append(ev)
                 panels.setdefault(f"{point}: C_x*", {}).setdefault(m, []).append(cov)
     return panels
@@ -401,24 +623,24 @@ def bilevel_page(root: Path, page: Page) -> str:
     page.scope = "this bilevel run"
     if (root / "table.json").is_file():
         info = json.loads((root / "table.json").read_text())
-        text, title = (root / "table.md").read_text(), f"RABO-family table: {root.name}"
+        body, title = md_html((root / "table.md").read_text()), f"RABO-family table: {root.name}"
         runs = {pt: {m: sorted((root / pt).glob(f"seed*/{m}")) for m in info["methods"]} for pt in info["points"]}
     elif (root / "bilevel.json").is_file():
         info = json.loads((root / "bilevel.json").read_text())
-        text, title = (root / "bilevel.md").read_text(), f"RABO-family experiment: {root.name}"
+        body, title = md_html((root / "bilevel.md").read_text()), f"RABO-family experiment: {root.name}"
         runs = {"run": {m: [root / m] for m in info}}
     else:
         summary = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else {}
-        text, title = json.dumps(summary, indent=2), f"RABO-family run: {root.name}"
+        body, title = f"<pre>{esc(json.dumps(summary, indent=2))}</pre>", f"RABO-family run: {root.name}"
         runs = {"run": {summary.get("method", root.name): [root]}}
     page.section("Table")
-    page.add(f"<pre>{esc(text)}</pre>")
+    page.add(body)
     page.section("Learning curves")
     panels = _bilevel_curves(runs)
-    if panels:
-        page.figure("bilevel_curves", lambda path: figures.seed_curves(panels, path),
-                    "per method: mean over seeds (band: min-max) of the evaluation metric and of C_x* per round")
-    else:
+    if not (panels and page.figure(
+            "bilevel_curves", lambda path: figures.seed_curves(panels, path, xlabel=figures.EVAL_AXIS),
+            "per method: mean over seeds (band: min-max) of the evaluation metric and of C_x* per round (x: rounds "
+            "completed, 0 = before training; a panel with one point or a constant value is left out)")):
         page.missing("per-round metrics")
     return title
 
