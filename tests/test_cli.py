@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import yaml
 
@@ -207,3 +209,46 @@ def test_bad_command_line_numbers_are_argparse_errors(capsys, argv, err):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and err in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- watching a run; continuing it for more rounds
+
+
+def _tiny(tmp_path):
+    p = tmp_path / "tiny.yaml"
+    import re
+
+    # the tiny config with absolute data paths (its own are relative: to the config file, or to the checkout)
+    p.write_text(re.sub(r"(\.\./)?data/", f"{ROOT}/data/", (ROOT / "configs" / "tiny.yaml").read_text()))
+    return p
+
+
+def test_run_lines_run_log_and_resume_for_more_rounds(tmp_path, capsys):
+    from ciders.fileio import read_jsonl
+
+    cfg, out = str(_tiny(tmp_path)), tmp_path / "run"
+    assert main(["run", cfg, "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "client0 personalized messenger" in cap.out  # the result table stays on stdout
+    lines = [x for x in cap.err.splitlines() if x.startswith("round ") and "|" in x]
+    assert [x.split()[1] for x in lines] == ["-1/1", "0/1", "1/1"]  # as metrics.jsonl numbers them
+    assert all("global ppl" in x for x in lines) and "MiB so far" in lines[-1] and "client loss" in lines[-1]
+    log = (out / "run.log").read_text()
+    assert all(x in log for x in lines) and "model tiny-qwen2" in log and "\r" not in log
+
+    assert main(["run", cfg, "--out", str(out), "--resume", "--set", "federation.rounds=1"]) == 2
+    assert "federation.rounds can only grow" in capsys.readouterr().err
+    assert main(["run", cfg, "--out", str(out), "--resume", "--set", "federation.rounds=3",
+                 "--set", "algorithm.lr=0.01"]) == 2
+    assert "differs from the run's config.yaml at 'algorithm.lr'" in capsys.readouterr().err
+
+    assert main(["run", cfg, "--out", str(out), "--resume", "--set", "federation.rounds=3", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "round " not in cap.err  # --quiet: no lines (and no bars) on the console
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert sorted({r["round"] for r in rows if r["event"] == "round"}) == [0, 1, 2]
+    assert {r["round"] for r in rows if r["event"] == "eval"} == {-1, 0, 1, 2}
+    assert [r["rounds"] for r in rows if r["event"] == "extend"] == [3]
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 3
+    log = (out / "run.log").read_text()
+    assert "federation.rounds 2 -> 3" in log and "round 2/2 | global ppl" in log  # the log still gets every line

@@ -108,19 +108,33 @@ def _cmd_bilevel(a: argparse.Namespace) -> int:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
+    import logging
+
+    from ciders.federation import console
     from ciders.workloads.llm import LLMTask, render
     from ciders.federation.loop import RunDir, run_federation
 
     cfg = _load_cfg(a)
     out = Path(a.out) if a.out else Path("runs") / cfg.name
-    RunDir(out).refuse_unless(a.resume)  # before a Flower simulation starts (the run checks again)
-    _claim(a, out)
-    if a.engine == "flower-sim":
-        from ciders.transports.flower.server_app import run_simulation
+    if RunDir(out).refuse_unless(a.resume) is not None:  # before the model loads (the run checks again)
+        from ciders.algorithms import configure
+        from ciders.federation.rundir import check_same_config
 
-        summary = run_simulation(cfg, out, resume=a.resume)
-    else:
-        summary = run_federation(cfg, LLMTask(cfg, out), out, resume=a.resume)
+        check_same_config(RunDir(out), configure(cfg), extend_rounds=True)
+    _claim(a, out)
+    console.quiet(a.quiet)
+    handler = console.to_console(logging.WARNING if a.quiet else logging.INFO)
+    try:
+        with console.run_log(out):  # model, data and cache lines too, not only the rounds'
+            if a.engine == "flower-sim":
+                from ciders.transports.flower.server_app import run_simulation
+
+                summary = run_simulation(cfg, out, resume=a.resume)
+            else:
+                summary = run_federation(cfg, LLMTask(cfg, out, log=console.info), out, resume=a.resume)
+    finally:
+        console.LOGGER.removeHandler(handler)
+        console.quiet(False)
     print(render(summary))
     print(f"run directory: {out}")
     return 0
@@ -388,6 +402,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
                    help="local: in this process (default); flower-sim: Flower's simulation runtime (Ray), one "
                         "virtual SuperNode per client; same config and seed give the same numbers")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars and no per-round lines on the console (OUT/run.log still gets every line)")
     p.set_defaults(fn=_cmd_run)
 
     from ciders.transports.flower.commands import add_parser as add_flower

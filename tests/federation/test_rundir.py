@@ -258,3 +258,77 @@ def test_what_a_run_writes_has_the_umask_permissions(tmp_path, mask, file_mode, 
         want = {k: dir_mode if (root / k).is_dir() else file_mode for k in got}
         assert got == want
     assert any(k.startswith("server/") and k.endswith(".safetensors") for k in modes(tmp_path / "c"))
+
+
+# ----------------------------------------------------------------- --resume with more rounds: the one key that may change
+
+EXTEND = ["federation.clients=4", "federation.per_round=2", "algorithm.local_steps=3", "algorithm.lr=0.05",
+          "algorithm.schedule=warmup_cosine", "algorithm.warmup_steps=2", "algorithm.min_lr_ratio=0.1",
+          "algorithm.gamma_schedule=protocol_c"]
+
+
+def run_extend(out, rounds, *extra, resume=False):
+    cfg = load_config(None, EXTEND + [f"federation.rounds={rounds}", *extra])
+    return run_federation(cfg, VectorTask(4), out, resume=resume, progress=False, log=lambda s: None)
+
+
+def client_lrs(out, t):
+    from ciders.fileio import read_jsonl
+
+    return {r["client"]: [s["lr"] for s in r["steps"]] for r in read_jsonl(out / "metrics.jsonl")
+            if r["event"] == "client" and r["round"] == t}
+
+
+def test_resume_extends_a_finished_run_and_the_schedule_follows_the_new_total(tmp_path):
+    from ciders.algorithms.ciders import round_schedule
+    from ciders.fileio import read_jsonl
+
+    out = tmp_path / "run"
+    run_extend(out, 2)
+    before = read_jsonl(out / "metrics.jsonl")
+    s = run_extend(out, 3, resume=True)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert s["rounds"] == 3 and sorted({r["round"] for r in rows if r["event"] == "round"}) == [0, 1, 2]
+    assert rows[:len(before)] == before  # the rounds already run stay as they were
+    ext = [r for r in rows if r["event"] == "extend"]
+    assert len(ext) == 1 and ext[0]["round"] == 1 and (ext[0]["rounds_before"], ext[0]["rounds"]) == (2, 3)
+    assert "new total" in ext[0]["schedules"] and load_config(out / "config.yaml").federation.rounds == 3
+    assert RunDir(out).committed() == 2 and {r["round"] for r in rows if r["event"] == "eval"} == {-1, 0, 1, 2}
+    # round 2's learning rates: the warmup-cosine over 3 rounds x 3 steps, as a 3-round run has them
+    acfg = load_config(None, EXTEND + ["federation.rounds=3"]).algorithm
+    lrs, _, gamma = round_schedule(acfg, 2, 3)
+    assert all(v == pytest.approx(list(lrs)) for v in client_lrs(out, 2).values()) and len(client_lrs(out, 2)) == 2
+    run_extend(tmp_path / "fresh3", 3)
+    assert client_lrs(out, 2) == client_lrs(tmp_path / "fresh3", 2)
+    assert client_lrs(out, 1) != client_lrs(tmp_path / "fresh3", 1)  # rounds 0-1 ran on the 2-round curve
+    server = [r for r in rows if r["event"] == "server" and r["round"] == 2][0]
+    assert server["gamma"] == pytest.approx(gamma)  # protocol_c: by round number, unchanged by the extension
+    run_extend(out, 3, resume=True)  # the same config again: nothing to do, no second extension
+    assert [r["event"] for r in read_jsonl(out / "metrics.jsonl")].count("extend") == 1
+
+
+@pytest.mark.parametrize("rounds, extra, err", [
+    (1, [], r"federation.rounds can only grow \(the run's config.yaml has 2, got 1\)"),
+    (2, ["algorithm.lr=0.01"], r"differs from the run's config.yaml at 'algorithm.lr'; .*only federation.rounds may "
+                               r"change, and only upwards"),
+    (4, ["algorithm.lr=0.01"], r"at 'algorithm.lr'"),
+    (4, ["algorithm.lr=0.01", "seed=3"], r"at 'seed' \(and 1 more: algorithm.lr\)"),
+])
+def test_resume_refuses_fewer_rounds_and_any_other_change(tmp_path, rounds, extra, err):
+    from ciders.fileio import read_jsonl
+
+    out = tmp_path / "run"
+    run_extend(out, 2)
+    before = (out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()
+    with pytest.raises(CidersError, match=err):
+        run_extend(out, rounds, *extra, resume=True)
+    assert ((out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()) == before
+    assert RunDir(out).committed() == 1 and "extend" not in {r["event"] for r in read_jsonl(out / "metrics.jsonl")}
+
+
+def test_bilevel_resume_still_refuses_more_rounds(tmp_path):
+    run_rabo(tmp_path)
+    exp = bilevel_exp()
+    longer = replace(exp, federation=replace(exp.federation, rounds=4))
+    with pytest.raises(CidersError, match="at 'federation.rounds'; resume with the same config$"):
+        run_bilevel(longer, QuadTask(), tmp_path, resume=True, log=lambda s: None)

@@ -378,7 +378,13 @@ class FederationConfig:
     eval_clients: Literal["all", "participants"] = opt("all", "whose personalized messengers to evaluate")
     checkpoint_keep: int = opt(2, "checkpoints kept in the run directory")
     store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
-    tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`)")
+    tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`): "
+                            "per-client figures as mean / p10 / p90, the config as hparams and text")
+    tracking: Literal["none", "mlflow"] = opt(
+        "none", "also log the run's scalars and config to an MLflow run (needs `mlflow` or `mlflow-skinny`: "
+        "pip install 'ciders[mlflow]')")
+    tracking_uri: str | None = opt(None, "federation.tracking: mlflow: the MLflow tracking URI (a server, "
+                                         "sqlite:///FILE, file:DIR); null = a SQLite file OUT/mlflow.db")
     emulator_dtype: Literal["model", "float32", "bfloat16", "float16"] = opt(
         "model", "Flower engines: dtype of the emulator's base weights in a client's first download: model = as the server holds "
         "them (lossless); bfloat16 halves an fp32 download, rounding B_L and P_M (measured in "

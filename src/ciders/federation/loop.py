@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig
 from ciders.errors import ConfigError
+from ciders.federation import console
 from ciders.federation.exchange import Exchange, Reply
 from ciders.federation.inprocess import Faults, InProcess, SimulatedCrash
 from ciders.fileio import locked
@@ -105,12 +105,14 @@ def run_rounds(server: RoundServer, exchange: Exchange, rounds: int, faults: Fau
 
 
 def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: bool = False,
-                   faults: Faults | None = None, log: Callable[[str], None] = print, progress: bool = True,
+                   faults: Faults | None = None, log: Callable[[str], None] = console.info, progress: bool = True,
                    exchange: Exchange | None = None) -> dict:
     """Run (or resume) the federation of `cfg.algorithm.name` (CIDERS or a baseline; `ciders.algorithms`):
     the Coordinator's rounds (`federation.rounds`) over `exchange`, by default every client called in this
-    process (`federation.inprocess`)."""
-    with locked(out):  # the run directory is this process's until the run ends (`rundir.start_run`)
+    process (`federation.inprocess`). `log` gets one line per event worth reading (by default the `ciders`
+    logger, whose lines also go to OUT/run.log); `progress`: a bar over each round's clients where stderr
+    is a terminal (`federation.console`)."""
+    with locked(out), console.run_log(out):  # the run directory is this process's until the run ends
         return _run_federation(cfg, task, out, resume, faults, log, progress, exchange)
 
 
@@ -123,9 +125,7 @@ def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> 
     co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
     cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()
-    per_round = fed.per_round or len(co.ids)
-    bar = tqdm(total=(fed.rounds - co.first_round) * per_round, desc=cfg.algorithm.method, unit="client",
-               disable=not progress)
+    bars = _RoundBars(progress, fed.rounds, cfg.algorithm.method)
     if exchange is None:
         def client(phase: str, cid: str, msg: bytes) -> tuple[bytes, dict]:
             if phase == "report":
@@ -133,19 +133,35 @@ def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> 
             # the in-process client's references: the server's own tensors
             return client_round(cfg, task, co.clients_store, cid, msg, dict(co.round.down_extra))
 
-        def on_reply(cid: str, rec: dict) -> None:
-            if rec:
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}" if "loss" in rec else "resync")
+        exchange = InProcess(client, faults, corrupt=lambda up: _nan_upload(up, co.ref), on_reply=bars.reply)
 
-        exchange = InProcess(client, faults, corrupt=lambda up: _nan_upload(up, co.ref), on_reply=on_reply)
+    try:
+        return run_rounds(co, exchange, fed.rounds, faults, progress=lambda t, phase: bars.phase(t, phase, co))
+    finally:
+        bars.close()
 
-    def step(t: int, phase: str) -> None:
-        bar.set_description(f"round {t + 1}/{fed.rounds} " + ("evaluating" if phase == "report" else phase))
 
-    summary = run_rounds(co, exchange, fed.rounds, faults, progress=step)
-    bar.close()
-    return summary
+class _RoundBars:
+    """One progress bar per train phase, over the round's sampled clients (numbered as metrics.jsonl)."""
+
+    def __init__(self, enabled: bool, rounds: int, method: str):
+        self.enabled, self.rounds, self.method, self.bar = enabled, rounds, method, None
+
+    def phase(self, t: int, phase: str, co) -> None:
+        self.close()
+        if phase == "train":
+            self.bar = console.bar(self.enabled, total=len(co.round.sampled), unit="client", leave=False,
+                                   desc=f"{self.method} {console.round_label(t, self.rounds)} client steps")
+
+    def reply(self, cid: str, rec: dict) -> None:
+        if rec and self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{rec['loss']:.3f}" if "loss" in rec else "resync")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _nan_upload(upmsg: bytes, ref: dict) -> bytes:

@@ -33,11 +33,12 @@ from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
 from ciders.core.wire import PayloadError
-from ciders.federation import records
+from ciders.federation import console, records
 from ciders.federation.exchange import Reply
-from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
+from ciders.federation.rundir import MIB, RunDir, sample_clients, start_run, summarize
+from ciders.federation.sinks import open_sinks
 from ciders.errors import CidersError
-from ciders.fileio import append_jsonl, write_json
+from ciders.fileio import append_jsonl, read_jsonl, write_json
 from ciders import phases as timing
 
 
@@ -167,20 +168,15 @@ class Coordinator:
     one drops what a crashed round left and reloads the committed checkpoint."""
 
     def __init__(self, cfg: ExperimentConfig, task, out: str | Path, resume: bool = False,
-                 log: Callable[[str], None] = print, engine: str = "local"):
+                 log: Callable[[str], None] = console.info, engine: str = "local"):
         given, cfg = cfg, algorithms.configure(cfg)
         self.cfg, self.task, self.log = cfg, task, log
         self.run = run = RunDir(out)
         fed = cfg.federation
-        committed = start_run(run, cfg, resume, log)
+        committed = start_run(run, cfg, resume, log, extend_rounds=True)  # a resume may add rounds
         if committed is None:
             for line in algorithms.changes(given, cfg):
                 log(f"{cfg.algorithm.method} sets {line}")
-        self.tb = None
-        if fed.tensorboard:
-            from ciders.federation.tensorboard import Mirror
-
-            self.tb = Mirror(run.root / "tensorboard")
         start = committed if committed is not None else -1
         # in-process, the engine reads client records from run/clients; on Flower they live on the clients
         self.clients_store = RoundStore(run.root / "clients", start, fed.store_cache) if engine == "local" else None
@@ -190,6 +186,8 @@ class Coordinator:
         self.ref = task.initial_messenger()  # the messenger's keys, shapes, dtypes and device
         self.static = set(getattr(task, "static_extra", lambda: ())())
         self.round: InFlight | None = None
+        # the console's round lines and the optional TensorBoard / MLflow mirrors, fed what metrics.jsonl gets
+        self.sinks = open_sinks(cfg, run.root, start + 1, committed is not None, self.ids, log, _mib_so_far(run))
         self.state = self._fresh() if committed is None else self._resumed(committed)
 
     def _fresh(self) -> RunState:
@@ -197,13 +195,15 @@ class Coordinator:
         extra_t, extra_m, pre_metrics = self.task.initial_extra()
         state = RunState(-1, alg.init_server(self.ref, self.cfg.federation.rounds),
                          self.task.extra_from_record(extra_t, extra_m), frozenset())
-        self.log("evaluating before the first round")
+        self.log("round -1: evaluating before the first round")
         with timing.phase("evaluation"):
             ev = self.task.evaluate(-1, state.server, {})
         write_json(self.run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
         for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
             self._record(rec)
-        append_jsonl(self.run.timing, {"round": -1, "prealign_and_eval_s": time.perf_counter() - t0})
+        secs = time.perf_counter() - t0
+        append_jsonl(self.run.timing, {"round": -1, "prealign_and_eval_s": secs})
+        self.sinks.end_round(-1, secs)
         self._checkpoint(state, extra_t, extra_m)
         return state
 
@@ -219,6 +219,8 @@ class Coordinator:
                                         meta["server"])
         extra = self.task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")},
                                             meta["extra"])
+        # a resume that extends federation.rounds: the lr schedule is over the new total (rundir.SCHEDULES)
+        server = replace(server, total_rounds=self.cfg.federation.rounds)
         return RunState(committed, _to_device(server, self.ref), extra, frozenset(meta.get("contacted", [])))
 
     # ------------------------------------------------------------------ helpers
@@ -228,8 +230,7 @@ class Coordinator:
 
     def _record(self, rec: dict) -> None:
         append_jsonl(self.run.metrics, rec)
-        if self.tb is not None:
-            self.tb.write(rec)
+        self.sinks.write(rec)
 
     def _checkpoint(self, state: RunState, extra_t: dict, extra_m: dict) -> None:
         st, sm = alg.server_record(state.server)
@@ -340,7 +341,9 @@ class Coordinator:
             write_json(self.run.root / "eval" / f"round_{t:04d}.json", recs[-1])
         for r in recs:
             self._record(r)
-        append_jsonl(self.run.timing, {"round": t, "seconds": time.perf_counter() - rnd.started})
+        secs = time.perf_counter() - rnd.started
+        append_jsonl(self.run.timing, {"round": t, "seconds": secs})
+        self.sinks.end_round(t, secs)  # the round's line; the mirrors flushed (a crash after this keeps them)
         if before_checkpoint is not None:
             before_checkpoint()
         et, em = self.task.extra_record(rnd.next.extra)
@@ -351,8 +354,7 @@ class Coordinator:
         self.state, self.round = rnd.next, None
 
     def close(self) -> dict:
-        if self.tb is not None:
-            self.tb.close()
+        self.sinks.close()
         self.task.finalize(self.run.root, self.state.server, self.state.extra)
         summary = summarize(self.run, self.cfg, once=self.static)
         if hasattr(self.task, "model_sizes"):
@@ -425,6 +427,12 @@ def client_report(store: RoundStore, cid: str) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------- state moves
+
+
+def _mib_so_far(run: RunDir) -> float:
+    """MiB both ways in the rounds metrics.jsonl holds (a resumed run's console continues the count)."""
+    rows = read_jsonl(run.metrics) if run.metrics.is_file() else []
+    return sum(sum(r["bytes_down"].values()) + sum(r["bytes_up"].values()) for r in rows if r["event"] == "round") / MIB
 
 
 def _dev(ref: dict) -> torch.device:

@@ -12,7 +12,8 @@ import torch
 
 from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
 from ciders.errors import CidersError
-from ciders.fileio import acquire_lock, atomic_dir, read_jsonl, remove_leftovers, write_json, write_text
+from ciders.federation import console
+from ciders.fileio import acquire_lock, append_jsonl, atomic_dir, read_jsonl, remove_leftovers, write_json, write_text
 from ciders.runtime import derive_seed
 from ciders.phases import phase
 
@@ -93,22 +94,29 @@ class RunDir:
                 write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
-def start_run(run: RunDir, cfg, resume: bool, log=print) -> int | None:
+EXTENDABLE = "federation.rounds"  # the one key a resume may change (upwards): continue a finished run for longer
+SCHEDULES = ("lr schedules (algorithm.schedule) are redefined over the new total of client steps from the first "
+             "round run after the extension; rounds already run keep the rates they had; gamma schedules depend on "
+             "the round number only and continue unchanged")
+
+
+def start_run(run: RunDir, cfg, resume: bool, log=console.info, extend_rounds: bool = False) -> int | None:
     """The one rule for run directories, for every method family: a directory that holds a committed run
-    is continued only with `resume`, and only with the same config (else an error says what differs);
-    otherwise the run starts afresh (its config.yaml written, earlier metrics removed). Only one process
-    at a time may hold a run directory (an advisory lock; a second one gets an error); what a killed
-    process left (scratch files, uncommitted checkpoints) is removed. Returns the last committed round, or
-    None for a fresh run."""
+    is continued only with `resume`, and only with the same config (else an error says what differs; with
+    `extend_rounds`, federation.rounds may grow: see `check_same_config`); otherwise the run starts afresh
+    (its config.yaml written, earlier metrics removed). Only one process at a time may hold a run directory
+    (an advisory lock; a second one gets an error); what a killed process left (scratch files, uncommitted
+    checkpoints) is removed. Returns the last committed round, or None for a fresh run."""
     acquire_lock(run.root)  # one process per run directory (held until the run ends: `fileio.locked`)
     committed = run.refuse_unless(resume)
-    if committed is not None:
-        check_same_config(run, cfg)
+    before = check_same_config(run, cfg, extend_rounds) if committed is not None else None
     n = run.remove_leftovers(committed)
     if n:
         log(f"{run.root}: removed {n} leftovers of an interrupted process (scratch files, uncommitted checkpoints)")
     if committed is not None:
         run.truncate_metrics(committed)  # records of the round the checkpoint does not hold
+        if before is not None:
+            _extend(run, cfg, committed, before, log)
         return committed
     for p in (run.metrics, run.timing):
         p.unlink(missing_ok=True)
@@ -116,25 +124,50 @@ def start_run(run: RunDir, cfg, resume: bool, log=print) -> int | None:
     return None
 
 
-def check_same_config(run: RunDir, cfg) -> None:
+def _extend(run: RunDir, cfg, committed: int, before: int, log) -> None:
+    """The run continues for more rounds: config.yaml takes the new total and metrics.jsonl records the
+    extension (event "extend", at the last committed round) with the rule its schedules follow."""
+    rounds = cfg.federation.rounds
+    write_text(run.root / "config.yaml", dump_yaml(cfg))
+    append_jsonl(run.metrics, {"event": "extend", "round": committed, "rounds_before": before, "rounds": rounds,
+                               "schedules": SCHEDULES})
+    log(f"--resume: federation.rounds {before} -> {rounds}: rounds {committed + 1}..{rounds - 1} follow; {SCHEDULES}")
+
+
+def config_differences(a: dict, b: dict, path: str = "") -> list[str]:
+    """The dotted keys at which two config dicts differ (the keys of `a`)."""
+    out: list[str] = []
+    for k, x in a.items():
+        key = f"{path}.{k}" if path else k
+        y = b.get(k) if isinstance(b, dict) else None
+        if isinstance(x, dict):
+            out += config_differences(x, y if isinstance(y, dict) else {}, key)
+        elif x != y:
+            out.append(key)
+    return out
+
+
+def check_same_config(run: RunDir, cfg, extend_rounds: bool = False) -> int | None:
+    """An error unless `cfg` is the run's config.yaml. With `extend_rounds`, federation.rounds may be
+    larger than the stored one (and nothing else may differ): returns the stored rounds then, else None."""
     path = run.root / "config.yaml"
     if not path.is_file():
         raise CidersError(f"--resume: {path} is missing; the run directory is damaged")
     saved = load_config(path, cls=type(cfg))
-    a, b = to_dict(saved), to_dict(cfg)
-
-    def diff(x, y, path=""):
-        if isinstance(x, dict):
-            for k in x:
-                r = diff(x[k], y.get(k), f"{path}.{k}" if path else k)
-                if r:
-                    return r
-            return None
-        return path if x != y else None
-
-    key = diff(a, b)
-    if key:
-        raise CidersError(f"--resume: the config differs from the run's config.yaml at '{key}'; resume with the same config")
+    keys = config_differences(to_dict(saved), to_dict(cfg))
+    others = [k for k in keys if not (extend_rounds and k == EXTENDABLE)]
+    if others:
+        more = f" (and {len(others) - 1} more: {', '.join(others[1:4])})" if len(others) > 1 else ""
+        allowed = f"; only {EXTENDABLE} may change, and only upwards" if extend_rounds else ""
+        raise CidersError(f"--resume: the config differs from the run's config.yaml at '{others[0]}'{more}; resume "
+                          f"with the same config{allowed}")
+    if not keys:
+        return None
+    old, new = saved.federation.rounds, cfg.federation.rounds
+    if new < old:
+        raise CidersError(f"--resume: {EXTENDABLE} can only grow (the run's config.yaml has {old}, got {new}); a run "
+                          "is not shortened")
+    return old
 
 
 def summarize(run: RunDir, cfg: ExperimentConfig, once: set[str] | frozenset = frozenset()) -> dict:

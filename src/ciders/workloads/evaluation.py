@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from tqdm.auto import tqdm
-
 from ciders.config import EvalConfig
 from ciders.core.tensors import State
 from ciders.errors import CidersError
+from ciders.federation import console
 from ciders.eval import gsm8k, humaneval, rouge
 from ciders.eval.generate import generate
 from ciders.eval.metrics import perplexity
@@ -24,7 +23,7 @@ DOLLY_STOPS = ("\n### ", "\n\n\n")
 
 
 def _bar(total: int, desc: str):
-    bar = tqdm(total=total, desc=desc, leave=False)
+    bar = console.bar(total=total, desc=desc, leave=False)  # on a terminal only; off with --quiet
     return bar, (lambda n: bar.update(n))
 
 
