@@ -6,12 +6,14 @@ from ciders.models.decompose import decompose
 from ciders.models.load import build_tiny, load_model
 from helpers import ARCHS, hand_stack, randomize_lora
 
+FAMILIES = [*ARCHS, "tiny-gemma", "tiny-phi3"]  # two more architecture families
+
 
 def tiny(name, **kw):
     return decompose(load_model(name, attn_implementation="eager"), 2, drop_ratio=0.5, **kw)
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_composites_equal_hand_run_stacks(name):
     ref = build_tiny(name, seed=0).eval()
     ref.set_attn_implementation("eager")
@@ -70,7 +72,7 @@ def test_qwen2_layer_types_follow_the_kept_layers():
     assert d.messenger_top.config.layer_types == types[4:]
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_kv_cache_generation_equals_no_cache(name):
     d = tiny(name)
     randomize_lora(d)
@@ -109,8 +111,22 @@ def test_decompose_rejects_models_with_lora_and_bad_targets():
         decompose(d.base, 2)
     from ciders.config import LoraConfig
 
-    with pytest.raises(CidersError, match="not found in decoder layer"):
+    with pytest.raises(CidersError, match=r"LoRA targets \['qkv_proj'\] not found in LlamaDecoderLayer"):
         decompose(load_model("tiny-llama"), 2, messenger_lora=LoraConfig(targets=("qkv_proj",)))
+
+
+def test_lora_targets_resolve_to_the_layers_own_linear_modules():
+    from ciders.config import LoraConfig
+
+    d = tiny("tiny-phi3")  # fused projections: the default targets become every linear module of the layer
+    assert d.messenger_lora.targets == d.student_lora.targets
+    assert set(d.messenger_lora.targets) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    names = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in d.messenger_params()}
+    assert names == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    q = tiny("tiny-qwen2")  # on Llama-style layers the default is left as written (the paper's seven)
+    assert q.messenger_lora.targets == LoraConfig().targets
+    a = decompose(load_model("tiny-qwen2"), 2, messenger_lora=LoraConfig(targets=("all-linear",)))
+    assert set(a.messenger_lora.targets) == set(LoraConfig().targets)
 
 
 def test_no_lora_parts():

@@ -32,7 +32,7 @@ def test_local_directory_and_config_only(tmp_path):
 
 
 def test_clear_errors(tmp_path):
-    with pytest.raises(CidersError, match="not found: not a local directory") as e:
+    with pytest.raises(CidersError, match="not a local path or built-in name") as e:  # offline: at once
         L.load_model("no-such-org/no-such-model")
     assert "\n" not in str(e.value)
     (tmp_path / "empty").mkdir()

@@ -51,7 +51,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = opt("smollm2-135m", "hub id, local HF directory, or built-in name (smollm2-135m, tiny-qwen2, tiny-llama)")
+    name: str = opt("smollm2-135m", "hub id, local HF directory, or built-in name (smollm2-135m; tests: tiny-qwen2, tiny-llama, tiny-gemma, tiny-phi3)")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: DtypeName = opt("auto", "auto = bfloat16 on CUDA, float32 elsewhere")
     attn_implementation: str | None = opt(None, "transformers attention backend (eager, sdpa, ...); null = model default")
@@ -107,7 +107,9 @@ class LoraConfig:
     r: int = opt(4, "LoRA rank")
     alpha: float = opt(16.0, "lora_alpha (scaling = alpha / r)")
     dropout: float = opt(0.05, "dropout on the LoRA input")
-    targets: tuple[str, ...] = opt(DEFAULT_LORA_TARGETS, "module names (last path component) inside each decoder layer")
+    targets: tuple[str, ...] = opt(DEFAULT_LORA_TARGETS, "module names (last path component) inside each decoder "
+                                   "layer, or [all-linear]; the default on a layer with fused projections (Phi-3, "
+                                   "GPT-NeoX) becomes every linear module of the layer")
 
     def validate(self, where: str = "lora") -> None:
         if self.r < 1:

@@ -19,7 +19,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from ciders.config import LoraConfig
+from ciders.config import DEFAULT_LORA_TARGETS, LoraConfig
 from ciders.core.tensors import State
 from ciders.errors import CidersError
 from ciders.fileio import atomic_dir
@@ -34,6 +34,31 @@ def target_regex(layer_indices: Iterable[int], targets: Iterable[str], layers_pa
     idx = "|".join(str(i) for i in sorted(set(layer_indices)))
     mods = "|".join(re.escape(t) for t in targets)
     return rf"{re.escape(layers_path)}\.({idx})\.(?:.*\.)?({mods})"
+
+
+def linear_names(layer: nn.Module) -> list[str]:
+    """The last path component of every nn.Linear inside a decoder layer, in module order."""
+    return list(dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if isinstance(m, nn.Linear)))
+
+
+def resolve_targets(layer: nn.Module, cfg: LoraConfig) -> LoraConfig:
+    """`cfg` with its targets as module names that exist in `layer` (docs/method.md#lora-targets-on-other-architectures).
+    `all-linear`, or the default list on a layer that lacks some of its names (fused projections such as Phi-3's
+    qkv_proj / gate_up_proj, GPT-NeoX's query_key_value): every linear module of the layer, which is what the
+    default means on Llama-style layers. A list the user chose must match fully."""
+    from dataclasses import replace
+
+    have = linear_names(layer)
+    want = list(cfg.targets)
+    if want == ["all-linear"] or (tuple(want) == DEFAULT_LORA_TARGETS and not set(want) <= set(have)):
+        if not have:
+            raise CidersError(f"{type(layer).__name__} has no linear modules for LoRA")
+        return replace(cfg, targets=tuple(have))
+    missing = [t for t in want if t not in have]
+    if missing:
+        raise CidersError(f"LoRA targets {missing} not found in {type(layer).__name__} (its linear modules: "
+                          f"{', '.join(have)}); set lora.*.targets to some of them, or to [all-linear]")
+    return cfg
 
 
 def peft_lora_config(cfg: LoraConfig, layer_indices: Iterable[int], base_model: str | None = None):

@@ -257,6 +257,8 @@ def decompose(
         p.requires_grad_(False)
 
     msg_idx = list(split.messenger_indices)
+    messenger_lora = None if messenger_lora is None else ad.resolve_targets(layers[0], messenger_lora)
+    student_lora = None if student_lora is None else ad.resolve_targets(layers[0], student_lora)
     if messenger_lora is not None:
         ad.inject_lora(model, messenger_lora, msg_idx, MESSENGER, seed=derive_seed(seed, "messenger-lora-init"))
     n_s = split.student_layers

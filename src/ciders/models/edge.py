@@ -97,6 +97,8 @@ def edge_decompose(model: nn.Module, split: Split, messenger_lora: LoraConfig | 
     for p in model.parameters():
         p.requires_grad_(False)
     msg_idx = list(range(n_s, n_s + a))
+    messenger_lora = None if messenger_lora is None else ad.resolve_targets(model.model.layers[0], messenger_lora)
+    student_lora = None if student_lora is None else ad.resolve_targets(model.model.layers[0], student_lora)
     if messenger_lora is not None:  # the same order and seeds as `decompose` (values come from the server)
         ad.inject_lora(model, messenger_lora, msg_idx, MESSENGER, seed=derive_seed(seed, "messenger-lora-init"))
     if student_lora is not None:

@@ -43,6 +43,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=4096, tie_word_embeddings=False),
+    # two more families: Gemma (scaled embeddings, (1 + w) RMSNorm, GeGLU, explicit head_dim) and Phi-3 (fused
+    # qkv_proj / gate_up_proj, so LoRA's default targets resolve to the layer's own linear modules)
+    "tiny-gemma": dict(model_type="gemma", vocab_size=320, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=4096, bos_token_id=256, eos_token_id=256, pad_token_id=257),
+    "tiny-phi3": dict(model_type="phi3", vocab_size=320, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=256,
+                      eos_token_id=256, pad_token_id=257),
 }
 BUILTIN = (SMOLLM2, *TINY_CONFIGS)
 
@@ -101,6 +110,7 @@ def load_config(name: str) -> Any:
         if cached.is_file():
             return load_config(str(cached))
         return config_from_dict(SMOLLM2_CONFIG)
+    check_model_name(name)
     p = Path(name)
     if p.is_file():
         try:
@@ -115,6 +125,49 @@ def load_config(name: str) -> Any:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise CidersError(_not_found(name, exc)) from exc
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub can be reached: False at once under HF_HUB_OFFLINE, else one TCP connect
+    (so that an offline machine does not spend a minute in the hub client's retries)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").split("://")[-1].split("/")[0]
+    host, _, port = host.partition(":")
+    try:
+        socket.create_connection((host, int(port or 443)), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_cached() -> list[str]:
+    """Model ids in the local Hugging Face cache (models--org--name)."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return []
+    root = Path(HF_HUB_CACHE)
+    return sorted(d.name[len("models--"):].replace("--", "/") for d in root.glob("models--*")) if root.is_dir() else []
+
+
+def check_model_name(name: str) -> None:
+    """Fail at once, with the closest known names, for a model that is neither built in, nor a local path, nor
+    in the local hub cache while the hub cannot be reached. Called before any weight is loaded."""
+    import difflib
+
+    if name in BUILTIN or Path(name).exists():
+        return
+    local_like = name.startswith((".", "/", "~")) or name.count("/") > 1
+    cached = _hub_cached()
+    if not local_like and (name in cached or hub_reachable()):
+        return
+    near = difflib.get_close_matches(name, [*BUILTIN, *cached], n=3, cutoff=0.5)
+    where = "no such local path" if local_like else "not a local path or built-in name, not in the local hub cache, and the hub cannot be reached (offline)"
+    raise ConfigError(f"model.name {name!r}: {where}" + (f"; did you mean {', '.join(map(repr, near))}?" if near else
+                      f"; built-in names: {', '.join(BUILTIN)}"))
 
 
 def _not_found(name: str, exc: Exception) -> str:
@@ -155,6 +208,7 @@ def load_model(
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation
 
+    check_model_name(name)
     if name in TINY_CONFIGS:
         model = build_tiny(name, seed=seed).to(dtype=dt)
         if attn_implementation:
