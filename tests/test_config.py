@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 from dataclasses import dataclass as dataclasses_dataclass
 from typing import Literal, Optional  # noqa: F401 - resolved in _Toy's string annotations
 from typing import get_args as typing_get_args
@@ -12,6 +13,7 @@ from ciders.config import (
     dump_yaml,
     from_dict,
     load_config,
+    loads_config,
     to_dict,
 )
 from ciders.errors import ConfigError
@@ -113,7 +115,7 @@ def test_federation_checks(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
     ok = load_config(None, ["federation.partition=files", "data.client_files=[a.jsonl, b.jsonl, c.jsonl]"])
-    assert ok.data.client_files == ("a.jsonl", "b.jsonl", "c.jsonl")
+    assert ok.data.client_files == tuple(str(Path.cwd() / f) for f in ("a.jsonl", "b.jsonl", "c.jsonl"))
 
 
 # ------------------------------------------------------------------------- choices written once (Literal)
@@ -156,7 +158,8 @@ def test_every_literal_key_rejects_a_bad_value_naming_key_value_and_choices():
                                                   r"got 'bogus'$"):
                 load_config(None, [f"{key}=[{choices[0]}, bogus]"])
         else:
-            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: must be one of {listed}, got 'bogus'$"):
+            alias = re.escape(" (or ciders-fo, ciders-fd)") if key == "algorithm.name" else ""
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: must be one of {listed}{alias}, got 'bogus'$"):
                 load_config(None, [f"{key}=bogus"])
 
 
@@ -341,3 +344,25 @@ def test_numbers_in_an_overridden_list_are_numbers():
     cfg = load_config(None, ["federation.capacities=[1e-1, 5e-1, 1]"], cls=BilevelExperiment)
     assert cfg.federation.capacities == (0.1, 0.5, 1.0)
     assert load_config(None, ["lora.student.targets=[q_proj, v_proj]"]).lora.student.targets == ("q_proj", "v_proj")
+
+
+def test_algorithm_name_takes_the_method_names_of_algorithms():
+    for name, mg in (("ciders-fo", "fo"), ("ciders-fd", "fd")):
+        cfg = load_config(None, [f"algorithm.name={name}"])
+        assert (cfg.algorithm.name, cfg.algorithm.metagrad, cfg.algorithm.method) == ("ciders", mg, name)
+        assert loads_config(f"algorithm: {{name: {name}}}\n").algorithm.method == name
+    with pytest.raises(ConfigError, match="algorithm.name=ciders-fd says metagrad fd, but algorithm.metagrad=fo"):
+        load_config(None, ["algorithm.name=ciders-fd", "algorithm.metagrad=fo"])
+
+
+def test_unknown_keys_and_choices_say_did_you_mean():
+    with pytest.raises(ConfigError, match=r"--set algorithm.lrr: unknown key 'lrr' under 'algorithm'; "
+                                          r"did you mean 'algorithm.lr'\?"):
+        load_config(None, ["algorithm.lrr=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'federation.round'; did you mean 'federation.rounds'\?"):
+        loads_config("federation: {round: 3}\n")
+    with pytest.raises(ConfigError, match=r"got 'fedbiott'; did you mean 'fedbiot'\?"):
+        load_config(None, ["algorithm.name=fedbiott"])
+    with pytest.raises(ConfigError, match=r"unknown key 'zzz'") as e:
+        load_config(None, ["zzz=1"])
+    assert "did you mean" not in str(e.value)  # nothing close: no guess

@@ -398,7 +398,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="a federation (CIDERS or the baseline in algorithm.name)")
     _experiment_args(p, "experiment YAML", "run directory (default runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run in --out (same config), or a finished one for more rounds "
+                        "(--set federation.rounds=N, larger: the only key that may change)")
     p.add_argument("--engine", choices=("local", "flower-sim"), default="local",
                    help="local: in this process (default); flower-sim: Flower's simulation runtime (Ray), one "
                         "virtual SuperNode per client; same config and seed give the same numbers")

@@ -67,7 +67,6 @@ def seed_everything(seed: int) -> None:
 
 SEED_STREAMS: frozenset[str] = frozenset({
     # tasks/
-    "data-split",           # tasks.federated: custom task, iid partition: the permutation dealing the pool out
     "task-split",           # tasks.registry.split_indices: a named task's public / client / evaluation sets
     "omniglot-shards",      # tasks.omniglot.shard: the character permutation (no key) / client i's draw (key i)
     # models/

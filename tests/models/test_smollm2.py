@@ -11,7 +11,8 @@ from ciders.models.decompose import decompose
 from ciders.models.distill import TeacherCache, distill, init_state
 from ciders.models.plan import make_plan
 from ciders.eval.metrics import perplexity
-from ciders.tasks.text import batches, load_examples, tokenize
+from ciders.tasks.sources import load_examples
+from ciders.tasks.text import batches, tokenize
 from conftest import ROOT
 from helpers import smollm2_available
 

@@ -8,7 +8,8 @@ import torch
 from ciders.errors import CidersError
 from ciders.eval.metrics import perplexity, token_nll
 from ciders.models.load import build_tiny, byte_tokenizer
-from ciders.tasks.text import IGNORE, DataReport, batches, collate, load_examples, tokenize
+from ciders.tasks.sources import load_examples
+from ciders.tasks.text import IGNORE, DataReport, batches, collate, tokenize
 from conftest import ROOT
 
 

@@ -69,7 +69,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     cfg.write_text(TINY.replace("public_limit: 24", "public_limt: 24"))
     assert main(["distill", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("ciders: error: unknown config key 'data.public_limt' (known keys here: task,")
+    assert err.startswith("ciders: error: unknown config key 'data.public_limt'; did you mean 'data.public_limit'? "
+                          "(known keys here: task,")
     assert "public_limit" in err and "\n" not in err
     cfg.write_text(TINY.replace("gsm8k-slice/eval.jsonl", "nope.jsonl"))
     assert main(["distill", str(cfg), "--out", str(tmp_path / "x")]) == 2

@@ -65,7 +65,7 @@ def test_eval_command_on_every_path(tmp_path, capsys):
     toolchain("python")
     from conftest import ROOT
 
-    cfg = (ROOT / "configs" / "tiny.yaml").read_text().replace("data/", f"{ROOT}/data/")
+    cfg = (ROOT / "configs" / "tiny.yaml").read_text().replace("../data/", f"{ROOT}/data/")
     (tmp_path / "t.yaml").write_text(cfg)
     out = tmp_path / "r"
     assert main(["run", str(tmp_path / "t.yaml"), "--out", str(out)]) == 0

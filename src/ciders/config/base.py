@@ -312,15 +312,28 @@ class DataConfig:
     eval_size: int = opt(300, "named task without an official test split: held-out examples [per label]")
     client_size: int | None = opt(None, "named task: cap on the client pool [per label]")
     per_label: bool = opt(False, "named task: sizes apply to each label (Protocol B: 200 public / 300 eval per domain)")
-    public: str = opt("data/gsm8k-slice/public.jsonl", "server public (distillation) data: jsonl or jsonl.gz")
-    eval: str = opt("data/gsm8k-slice/eval.jsonl", "global held-out evaluation data (disjoint from public)")
-    clients: str | None = opt("data/gsm8k-slice/clients.jsonl", "client training data for partition: iid")
-    client_files: tuple[str, ...] = opt((), "one file per client for partition: files (e.g. one domain each)")
+    public: str = opt("data/gsm8k-slice/public.jsonl", "server public (distillation) data: a .jsonl/.json(.gz), .csv, "
+                      ".tsv or .parquet file, or a hub dataset ID[:CONFIG][@SPLIT] (docs/data.md#sources)")
+    eval: str = opt("data/gsm8k-slice/eval.jsonl", "global held-out evaluation data (disjoint from public); file or hub id")
+    clients: str | None = opt("data/gsm8k-slice/clients.jsonl", "client training data, split by federation.partition "
+                              "(iid, or natural / dirichlet over data.label_key); file or hub id")
+    client_files: tuple[str, ...] = opt((), "one file (or hub id) per client for partition: files (e.g. one domain each)")
     clients_limit: int | None = opt(None, "use only the first N records of each client source")
-    format: Literal["auto", "gsm8k", "instruction", "mbpp", "metamath"] = opt(
+    format: Literal["auto", "gsm8k", "instruction", "mbpp", "metamath", "prompt_completion", "chat"] = opt(
         "auto", "record format: gsm8k {question, answer}; instruction {instruction, context, response}; "
-        "mbpp {text, code}; metamath {query, response}"
+        "mbpp {text, code}; metamath {query, response}; prompt_completion {prompt, completion} (used verbatim); "
+        "chat {messages: [{role, content}, ...]} ending with the assistant turn (always rendered with the "
+        "tokenizer's chat template); auto = told from the first record's fields"
     )
+    prompt_key: str | None = opt(None, "custom data: the field holding the prompt, in place of the format's own "
+                                 "(e.g. question); with format auto and no known fields, prompt_completion")
+    response_key: str | None = opt(None, "custom data: the field holding the response (e.g. answer)")
+    label_key: str | None = opt(None, "custom data: the field whose value labels a record, for federation.partition "
+                                "natural (one label per client) or dirichlet")
+    template: Literal["plain", "chat"] = opt(
+        "plain", "how non-chat records become text: plain = the format's prompt layout (e.g. 'Question: ... "
+        "Answer:'); chat = the prompt as one user turn and the response as the assistant turn, through the "
+        "tokenizer's chat template (instruct models)")
     max_length: int = opt(256, "tokens per example (longer examples are truncated and counted)")
     public_limit: int | None = opt(None, "use only the first N public examples")
     eval_limit: int | None = opt(None, "evaluate on only the first N examples [per label with per_label]")
@@ -498,9 +511,13 @@ class ExperimentConfig:
         validate_sections(self)
         check_seed(self.seed)
         fed, data = self.federation, self.data
-        if data.task == "custom" and fed.partition in ("natural", "dirichlet"):
-            raise ConfigError(f"federation.partition={fed.partition} needs a labelled named task (data.task: dolly, "
+        if data.task == "custom" and fed.partition in ("natural", "dirichlet") and not data.label_key:
+            raise ConfigError(f"federation.partition={fed.partition} over custom data needs data.label_key (the field "
+                              "that labels each record of data.clients), or a labelled named task (data.task: dolly, "
                               "domains or math)")
+        if data.task != "custom" and any(getattr(data, k) for k in ("prompt_key", "response_key", "label_key")):
+            raise ConfigError(f"data.prompt_key / response_key / label_key are for data.task=custom; the named task "
+                              f"{data.task} knows its own fields")
         if data.task != "custom" and fed.partition in ("files", "nodes"):
             raise ConfigError(f"federation.partition={fed.partition} is for data.task=custom")
         if fed.partition == "nodes" and self.algorithm.weighting != "uniform":
@@ -509,8 +526,8 @@ class ExperimentConfig:
         if fed.partition == "files" and len(data.client_files) != fed.clients:
             raise ConfigError(f"federation.partition=files needs one data.client_files entry per client "
                               f"({fed.clients}), got {len(data.client_files)}")
-        if data.task == "custom" and fed.partition == "iid" and not data.clients:
-            raise ConfigError("federation.partition=iid needs data.clients (a jsonl file to split)")
+        if data.task == "custom" and fed.partition in ("iid", "natural", "dirichlet") and not data.clients:
+            raise ConfigError(f"federation.partition={fed.partition} needs data.clients (a data file to split)")
         return self
 
 
@@ -575,7 +592,10 @@ def check_choices(cfg: Any, where: str = "") -> None:
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        extra = " (or ciders-fo, ciders-fd)" if "ciders" in choices and key.endswith("name") else ""
+        hint = did_you_mean(str(value), [str(c) for c in choices]).replace("; ", " ")
+        raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))}{extra}, got {value!r}"
+                          + (f";{hint}" if hint else ""))
 
 
 _YAML_TRUE = ("y", "yes", "true", "on")
@@ -637,14 +657,25 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: unsupported config type {tp!r}")  # a bug in a section definition
 
 
+def did_you_mean(name: str, known: list[str], prefix: str = "") -> str:
+    """"; did you mean 'prefix.best'?" for the closest known name, or "" when none is close."""
+    import difflib
+
+    hit = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{hit[0]}'?" if hit else ""
+
+
 def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     """Build a (nested) config dataclass from a mapping; unknown keys are errors."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    if hasattr(cls, "from_raw"):  # a section's spelled-out aliases (algorithm.name: ciders-fo)
+        data = cls.from_raw(data, prefix)
     unknown = [k for k in data if k not in names]
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown config key '{where}{unknown[0]}' (known keys here: {', '.join(names)})")
+        raise ConfigError(f"unknown config key '{where}{unknown[0]}'{did_you_mean(unknown[0], names, where)} "
+                          f"(known keys here: {', '.join(names)})")
     kw = {k: _coerce(f"{prefix}.{k}" if prefix else k, hints[k], v) for k, v in data.items()}
     return cls(**kw)
 
@@ -701,6 +732,7 @@ def apply_overrides(data: dict, overrides: list[str], cls: type = ExperimentConf
                 raise ConfigError(
                     f"--set {'.'.join(path)}: unknown key '{part}'"
                     + (f" under '{where}'" if where else "")
+                    + did_you_mean(part, list(fields), f"{where}." if where else "")
                     + (f" (known: {', '.join(fields)})" if fields else "")
                 )
             ftype = typing.get_type_hints(tp)[part]
@@ -728,8 +760,60 @@ def _deepcopy_plain(d: Any) -> Any:
     return d
 
 
+# Keys holding a local path (data files, a model directory): `load_config` makes them absolute, so that a
+# loaded config means the same files from any working directory (a Flower ServerApp runs in its own).
+PATH_KEYS = (("data", "public"), ("data", "eval"), ("data", "clients"), ("data", "client_files"), ("data", "source"),
+             ("model", "name"))
+DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".gz")
+
+
+def _anchor(value: Any, base: Path, model: bool = False) -> Any:
+    """`value` made absolute against `base` when it is a relative local path. Left alone: absolute paths,
+    `$CIDERS_DATA` / `~` paths (expanded when read), hub ids (no data suffix and nothing at that path), built-in
+    model names; a model name only counts as a path when something exists there."""
+    if isinstance(value, (list, tuple)):
+        return [_anchor(v, base, model) for v in value]
+    if not isinstance(value, str) or not value or value.startswith(("/", "$", "~", "hub:")) or value == "hub":
+        return value
+    target = base / value
+    if model:
+        return str(target.resolve()) if target.exists() and (value.startswith(".") or "/" in value) else value
+    if target.exists() or value.lower().endswith(DATA_SUFFIXES) or value.startswith("."):
+        return str(target.resolve())
+    return value
+
+
+def anchor_paths(data: dict, base: Path) -> dict:
+    """The raw mapping with its path keys made absolute against `base` (see PATH_KEYS)."""
+    data = _deepcopy_plain(data)
+    for sec, key in PATH_KEYS:
+        node = data.get(sec)
+        if isinstance(node, dict) and key in node:
+            node[key] = _anchor(node[key], base, model=sec == "model")
+    return data
+
+
+def _anchor_config(cfg: Any, base: Path) -> Any:
+    """A loaded config whose path keys (set by --set, or left at their defaults) are absolute against `base`."""
+    changes = {}
+    for sec, key in PATH_KEYS:
+        part = getattr(cfg, sec, None)
+        if part is None or not hasattr(part, key):
+            continue
+        old = getattr(part, key)
+        new = _anchor(old, base, model=sec == "model")
+        new = tuple(new) if isinstance(old, tuple) else new
+        if new != old:
+            changes.setdefault(sec, {})[key] = new
+    for sec, kw in changes.items():
+        cfg = dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw)})
+    return cfg
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type = ExperimentConfig) -> Any:
-    """Read a YAML experiment file (or the defaults when `path` is None), apply overrides, validate."""
+    """Read a YAML experiment file (or the defaults when `path` is None), apply overrides, validate.
+    Relative paths in the file are relative to the file; those of `overrides` and the defaults, to the current
+    directory. The loaded config holds them absolute (docs/data.md#paths)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -741,8 +825,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
             raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = anchor_paths(data, p.resolve().parent)
     data = apply_overrides(data, overrides or [], cls)
-    return from_dict(cls, data).validate()
+    return _anchor_config(from_dict(cls, data), Path.cwd()).validate()
 
 
 def loads_config(text: str, what: str = "config", cls: type = ExperimentConfig) -> Any:

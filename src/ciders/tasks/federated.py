@@ -14,15 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
 
 from ciders.config import ExperimentConfig
 from ciders.errors import CidersError
-from ciders.runtime import derive_seed
-from ciders.tasks.paths import resolve
 from ciders.tasks.partition import histograms, partition, skew
 from ciders.tasks.registry import TASKS, load_task, split_indices
-from ciders.tasks.text import DataReport, Example, load_examples, tokenize
+from ciders.tasks.sources import data_kw, load_records
+from ciders.tasks.text import DataReport, Example, tokenize
 
 
 @dataclass
@@ -60,25 +58,53 @@ class _Parts(NamedTuple):
 
 
 def _load_custom(cfg: ExperimentConfig, reports: dict[str, DataReport]) -> _Parts:
-    """data.task = custom: public / eval / clients from explicit files (one file per client unless iid)."""
+    """data.task = custom: public / eval / clients from explicit sources (files or hub ids, `tasks.sources`);
+    data.clients split by federation.partition through flwr-datasets (iid; natural / dirichlet over
+    data.label_key), or one source per client (partition files)."""
     dc, fed = cfg.data, cfg.federation
-    pub, reports["public"] = load_examples(resolve(dc.public), dc.format, dc.public_limit)
-    ev, reports["eval"] = load_examples(resolve(dc.eval), dc.format, dc.eval_limit)
-    from ciders.tasks.text import read_records
-
-    ev_raw = read_records(resolve(dc.eval))[: len(ev)]
+    kw = data_kw(dc)
+    pub_r = load_records(dc.public, dc.format, dc.public_limit, **kw)
+    ev_r = load_records(dc.eval, dc.format, dc.eval_limit, **kw)
+    reports["public"], reports["eval"] = pub_r.report, ev_r.report
+    pub, ev, ev_raw = pub_r.examples, ev_r.examples, ev_r.raw
     if fed.partition == "nodes":  # every client's data stays on its node
         return _Parts(pub, ev, ev_raw, [], [], [], {"kind": "nodes"})
-    if fed.partition == "iid":
-        pool, reports["clients"] = load_examples(resolve(dc.clients), dc.format, dc.clients_limit)
-        perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "data-split")))
-        shards = [[pool[j] for j in perm[i :: fed.clients].tolist()] for i in range(fed.clients)]
-    else:
+    if fed.partition == "files":
         shards = []
         for i, f in enumerate(dc.client_files):
-            ex, reports[f"client{i}"] = load_examples(resolve(f), dc.format, dc.clients_limit)
-            shards.append(ex)
-    return _Parts(pub, ev, ev_raw, [], shards, [], {"kind": "files"})
+            r = load_records(f, dc.format, dc.clients_limit, **kw)
+            reports[f"client{i}"] = r.report
+            shards.append(r.examples)
+        return _Parts(pub, ev, ev_raw, [], shards, [], {"kind": "files"})
+    pool = load_records(dc.clients, dc.format, dc.clients_limit, label=dc.label_key, **kw)
+    reports["clients"] = pool.report
+    parts = partition(pool.labels, fed.clients, fed.partition, seed=cfg.seed, alpha=fed.dirichlet_alpha)
+    shards = [[pool.examples[j] for j in part] for part in parts]
+    labelled = dc.label_key is not None
+    natural = [str(pool.labels[p[0]]) for p in parts] if fed.partition == "natural" else []
+    info = {"kind": "custom", "partition": fed.partition, "client_pool": len(pool.examples),
+            "dirichlet_alpha": fed.dirichlet_alpha, "label_key": dc.label_key,
+            "histograms": histograms(parts, pool.labels) if labelled else [{"size": len(p)} for p in parts],
+            "label_skew": skew(parts, pool.labels) if labelled else 0.0}
+    return _Parts(pub, ev, ev_raw, [], shards, natural, info)
+
+
+def check_sources(cfg: ExperimentConfig) -> None:
+    """Every data source the config names parses and, if a file, exists: run before the model is loaded."""
+    from ciders.tasks.sources import check
+
+    dc, fed = cfg.data, cfg.federation
+    if dc.task != "custom":
+        if dc.source not in (None, "hub"):
+            check(dc.source)
+        return
+    names = [dc.public, dc.eval]
+    if fed.partition == "files":
+        names += list(dc.client_files)
+    elif fed.partition != "nodes" and dc.clients:
+        names.append(dc.clients)
+    for n in names:
+        check(n)
 
 
 def _limit_eval(ev_idx: list[int], labels: list, limit: int | None, by_label: Any) -> list[int]:

@@ -2,8 +2,8 @@
 label column (for natural and Dirichlet partitions), how it splits into disjoint public / client / evaluation parts, and
 which metrics apply.
 
-Data loads from a local file (the shared datasets under $CIDERS_DATA, or any jsonl / jsonl.gz /
-parquet of the user's) and, for users with internet, from the Hugging Face hub through `datasets`.
+Data loads through `datasets.load_dataset`: from a local file (the shared datasets under $CIDERS_DATA, or any
+jsonl / json / csv / parquet file of the user's, `tasks.sources`) and, for users with internet, from the hub.
 Every record is validated; malformed ones (invalid JSON, non-UTF-8, missing fields, empty responses)
 are counted by reason in the DataReport, never silently dropped; over-long ones are truncated and
 counted at tokenization.
@@ -20,7 +20,7 @@ import torch
 from ciders.errors import CidersError
 from ciders.runtime import derive_seed
 from ciders.tasks.paths import data_root
-from ciders.tasks.text import DataReport, Records, gsm8k_steps_category, read_records, validate  # noqa: F401
+from ciders.tasks.text import DataReport, Records, gsm8k_steps_category, validate  # noqa: F401
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 
@@ -55,16 +55,10 @@ TASKS: dict[str, TaskSpec] = {
 
 
 def read_local(path: str | Path) -> tuple[list[dict], DataReport]:
-    """jsonl / jsonl.gz line by line (malformed lines counted); parquet through `datasets`."""
-    p = Path(path)
-    if p.suffix == ".parquet":
-        import datasets
+    """A local data file through `datasets.load_dataset` (`tasks.sources`; malformed JSON lines counted)."""
+    from ciders.tasks.sources import read
 
-        ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
-        rep = DataReport(str(p), records=len(ds))
-        return [dict(r) for r in ds], rep
-    rep = DataReport(str(p))
-    return read_records(p, rep), rep
+    return read(str(path))
 
 
 def read_hub(hub: tuple[str, str | None, str]) -> tuple[list[dict], DataReport]:

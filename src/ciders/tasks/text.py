@@ -24,8 +24,13 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class Example:
+    """One (prompt, response) pair. `turns` set: the conversation before the response, as (role, content)
+    pairs, rendered at tokenization with the tokenizer's chat template (then `prompt` is a plain rendering of
+    the turns, used only to check that data parts are disjoint)."""
+
     prompt: str
     response: str
+    turns: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass
@@ -79,7 +84,11 @@ def read_records(path: str | Path, report: DataReport | None = None) -> list[dic
     return out
 
 
-FORMATS = ("gsm8k", "instruction", "mbpp", "metamath")
+FORMATS = ("gsm8k", "instruction", "mbpp", "metamath", "prompt_completion", "chat")
+# Each format's (prompt field, response field); `data.prompt_key` / `data.response_key` rename them.
+FIELDS = {"gsm8k": ("question", "answer"), "instruction": ("instruction", "response"), "mbpp": ("text", "code"),
+          "metamath": ("query", "response"), "prompt_completion": ("prompt", "completion"), "chat": ("messages", None)}
+ROLES = ("system", "user", "assistant")
 
 
 def detect_format(rec: dict) -> str:
@@ -91,43 +100,107 @@ def detect_format(rec: dict) -> str:
         return "mbpp"
     if "query" in rec and "response" in rec:
         return "metamath"
-    raise CidersError(f"cannot tell the record format from keys {sorted(rec)}; set data.format")
+    if "prompt" in rec and "completion" in rec:
+        return "prompt_completion"
+    if "messages" in rec:
+        return "chat"
+    raise CidersError(f"cannot tell the record format from keys {sorted(rec)}; set data.format, or name the "
+                      "fields with data.prompt_key and data.response_key")
 
 
-def _qa(rec: dict, q_key: str, a_key: str) -> Example | str:
+def rename(rec: dict, fmt: str, prompt_key: str | None, response_key: str | None) -> dict:
+    """The record with the user's field names mapped onto the format's own (a no-op without keys)."""
+    if prompt_key is None and response_key is None:
+        return rec
+    want_p, want_r = FIELDS[fmt]
+    out = dict(rec)
+    for key, want in ((prompt_key, want_p), (response_key, want_r)):
+        if key is not None and want is not None and key != want:
+            out[want] = rec.get(key)
+    return out
+
+
+def _qa(rec: dict, q_key: str, a_key: str) -> tuple[str, str, str] | str:
     q, a = rec.get(q_key), rec.get(a_key)
     if not isinstance(q, str) or not isinstance(a, str):
         return f"missing {q_key}/{a_key}"
     if not a.strip():
         return "empty response"
-    return Example(f"Question: {q.strip()}\nAnswer:", " " + a.strip())
+    return f"Question: {q.strip()}\nAnswer:", " " + a.strip(), q.strip()
 
 
-def to_example(rec: dict, fmt: str) -> Example | str:
-    """An Example, or the reason the record is unusable."""
-    if fmt == "gsm8k":
-        return _qa(rec, "question", "answer")
-    if fmt == "instruction":
-        ins, ctx, resp = rec.get("instruction"), rec.get("context", ""), rec.get("response")
-        if not isinstance(ins, str) or not isinstance(resp, str) or not isinstance(ctx, (str, type(None))):
-            return "missing instruction/response"
-        if not resp.strip():
-            return "empty response"
-        prompt = f"### Instruction:\n{ins.strip()}\n"
-        if ctx and ctx.strip():
-            prompt += f"\n### Input:\n{ctx.strip()}\n"
-        return Example(prompt + "\n### Response:\n", resp.strip())
-    if fmt == "mbpp":  # task text + its asserts -> Python solution
-        text, code, tests = rec.get("text"), rec.get("code"), rec.get("test_list", [])
-        if not isinstance(text, str) or not isinstance(code, str):
-            return "missing text/code"
-        if not code.strip():
-            return "empty response"
-        tests = "\n".join(t for t in tests if isinstance(t, str)) if isinstance(tests, list) else ""
-        return Example(f"### Task:\n{text.strip()}\n{tests}\n\n### Python solution:\n", code.strip())
-    if fmt == "metamath":
-        return _qa(rec, "query", "response")
-    raise CidersError(f"data.format: unknown format {fmt!r} (use {', '.join(FORMATS)})")
+def _instruction(rec: dict) -> tuple[str, str, str] | str:
+    ins, ctx, resp = rec.get("instruction"), rec.get("context", ""), rec.get("response")
+    if not isinstance(ins, str) or not isinstance(resp, str) or not isinstance(ctx, (str, type(None))):
+        return "missing instruction/response"
+    if not resp.strip():
+        return "empty response"
+    prompt, user = f"### Instruction:\n{ins.strip()}\n", ins.strip()
+    if ctx and ctx.strip():
+        prompt += f"\n### Input:\n{ctx.strip()}\n"
+        user += f"\n\n{ctx.strip()}"
+    return prompt + "\n### Response:\n", resp.strip(), user
+
+
+def _mbpp(rec: dict) -> tuple[str, str, str] | str:  # task text + its asserts -> Python solution
+    text, code, tests = rec.get("text"), rec.get("code"), rec.get("test_list", [])
+    if not isinstance(text, str) or not isinstance(code, str):
+        return "missing text/code"
+    if not code.strip():
+        return "empty response"
+    tests = "\n".join(t for t in tests if isinstance(t, str)) if isinstance(tests, list) else ""
+    user = f"{text.strip()}\n{tests}".strip()
+    return f"### Task:\n{text.strip()}\n{tests}\n\n### Python solution:\n", code.strip(), user
+
+
+def _prompt_completion(rec: dict) -> tuple[str, str, str] | str:
+    """Used verbatim, as prompt/completion datasets are written (the prompt carries its own scaffolding)."""
+    p, c = rec.get("prompt"), rec.get("completion")
+    if not isinstance(p, str) or not isinstance(c, str):
+        return "missing prompt/completion"
+    if not c.strip() or not p.strip():
+        return "empty prompt" if not p.strip() else "empty response"
+    return p, c, p.strip()
+
+
+def _chat(rec: dict) -> Example | str:
+    """`messages`: [{role, content}, ...] ending with the assistant turn the model learns."""
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or len(msgs) < 2:
+        return "messages: not a list of at least 2 turns"
+    turns = []
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            return "messages: a turn without role (system/user/assistant) and string content"
+        turns.append((m["role"], m["content"]))
+    if turns[-1][0] != "assistant":
+        return "messages: the last turn is not the assistant's"
+    if not turns[-1][1].strip():
+        return "empty response"
+    if not any(r == "user" for r, _ in turns[:-1]):
+        return "messages: no user turn"
+    head = tuple(turns[:-1])
+    return Example("\n".join(f"{r}: {c}" for r, c in head), turns[-1][1], head)
+
+
+_BUILD = {"gsm8k": lambda r: _qa(r, "question", "answer"), "instruction": _instruction, "mbpp": _mbpp,
+          "metamath": lambda r: _qa(r, "query", "response"), "prompt_completion": _prompt_completion}
+
+
+def to_example(rec: dict, fmt: str, template: str = "plain") -> Example | str:
+    """An Example, or the reason the record is unusable. template: plain = the format's prompt text; chat = the
+    prompt as one user turn, rendered with the tokenizer's chat template (chat records always are)."""
+    if fmt == "chat":
+        return _chat(rec)
+    if fmt not in _BUILD:
+        raise CidersError(f"data.format: unknown format {fmt!r} (use {', '.join(FORMATS)})")
+    out = _BUILD[fmt](rec)
+    if isinstance(out, str):
+        return out
+    prompt, response, user = out
+    if template == "chat":
+        return Example(prompt, response.strip(), (("user", user),))
+    return Example(prompt, response)
 
 
 @dataclass
@@ -159,13 +232,15 @@ def gsm8k_steps_category(answer: str) -> str:
     return "steps_1-2" if n <= 2 else ("steps_6+" if n >= 6 else f"steps_{n}")
 
 
-def validate(rows: Sequence[dict], fmt: str, label: str | None, report: DataReport, limit: int | None = None) -> Records:
-    """Records -> Examples (+ labels); every unusable record is counted by reason in `report`."""
+def validate(rows: Sequence[dict], fmt: str, label: str | None, report: DataReport, limit: int | None = None,
+             template: str = "plain", keys: tuple[str | None, str | None] = (None, None)) -> Records:
+    """Records -> Examples (+ labels); every unusable record is counted by reason in `report`.
+    keys: the user's (prompt, response) field names, mapped onto the format's own."""
     ex, labels, raw = [], [], []
     for rec in rows:
         if limit is not None and len(ex) >= limit:
             break
-        e = to_example(rec, fmt)
+        e = to_example(rename(rec, fmt, *keys), fmt, template)
         if isinstance(e, str):
             report.skipped[e] += 1
             continue
@@ -180,28 +255,39 @@ def validate(rows: Sequence[dict], fmt: str, label: str | None, report: DataRepo
     return Records(ex, labels, raw, report)
 
 
-def load_examples(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tuple[list[Example], DataReport]:
-    report = DataReport(str(path))
-    recs = read_records(path, report)
-    if not recs:
-        raise CidersError(f"{path}: no usable records ({report.summary()})")
-    fmt = detect_format(recs[0]) if fmt == "auto" else fmt
-    out = validate(recs, fmt, None, report, limit).examples
-    if not out:
-        raise CidersError(f"{path}: no usable records ({report.summary()})")
-    return out, report
+def render_chat(ex: Example, tokenizer: Any) -> tuple[str, str]:
+    """(prompt text, response text) of a chat Example through the tokenizer's chat template: the prompt is the
+    template up to the assistant's header (add_generation_prompt), the response the rest of the rendered
+    conversation, which closes the assistant turn with the template's own end-of-turn text."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise CidersError("chat records (data.format: chat, or data.template: chat) need a tokenizer with a chat "
+                          "template; this model's tokenizer has none: use data.template: plain with a non-chat "
+                          "format, or an instruct model")
+    turns = [{"role": r, "content": c} for r, c in ex.turns]
+    prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(turns + [{"role": "assistant", "content": ex.response}], tokenize=False)
+    if not full.startswith(prompt):  # templates that rewrite earlier turns (e.g. drop reasoning) cannot be split
+        raise CidersError("the tokenizer's chat template does not render the conversation as the prompt followed "
+                          "by the response; use data.template: plain")
+    return prompt, full[len(prompt):]
 
 
 def tokenize(examples: Sequence[Example], tokenizer: Any, max_length: int, report: DataReport | None = None) -> list[dict]:
     """Each example -> {input_ids, labels} (lists of ints); labels are IGNORE on prompt tokens.
-    Appends EOS so the model learns to stop. An over-long example is truncated and counted: the
-    response keeps what the prompt leaves, but at least a quarter of max_length, and the prompt loses
-    its beginning (long contexts such as tables keep their end, next to the question and answer)."""
+    Appends EOS so the model learns to stop (chat examples end with the template's end of turn instead). An
+    over-long example is truncated and counted: the response keeps what the prompt leaves, but at least a
+    quarter of max_length, and the prompt loses its beginning (long contexts such as tables keep their end,
+    next to the question and answer)."""
     eos = tokenizer.eos_token_id
     feats = []
     for ex in examples:
-        p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(ex.response, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        if ex.turns is not None:
+            prompt, response = render_chat(ex, tokenizer)
+            tail = []
+        else:
+            prompt, response, tail = ex.prompt, ex.response, [eos] if eos is not None else []
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + tail
         if len(p) + len(r) > max_length:
             keep_r = min(len(r), max(max_length // 4, max_length - len(p)))
             p, r = p[len(p) - (max_length - keep_r):] if max_length > keep_r else [], r[:keep_r]

@@ -124,11 +124,10 @@ class EdgeTask(ClientSide):
 
     def _data(self, path: Path) -> list[dict]:
         from ciders.tasks.federated import tokenize_clients
-        from ciders.tasks.paths import resolve
-        from ciders.tasks.text import load_examples
+        from ciders.tasks.sources import data_kw, load_examples
 
         dc = self.cfg.data
-        ex, _ = load_examples(resolve(str(path)), dc.format, dc.clients_limit)
+        ex, _ = load_examples(str(path), dc.format, dc.clients_limit, **data_kw(dc))
         train, *_ = tokenize_clients([ex], [], self.tok, dc.max_length, self.cfg.federation.holdout)
         return train["client0"]  # its held-out head (federation.holdout) is left out of training
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ciders.config import ExperimentConfig
 from ciders.eval.metrics import perplexity
+from ciders.federation import console
 from ciders.fileio import write_json
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
@@ -28,7 +28,7 @@ class LLMTask(ClientSide):
     client's side (`ClientSide`): in-process clients share the server's model. A Flower client is an
     `EdgeTask` (`workloads.edge`), which holds AdapEmu only."""
 
-    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=print,
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, log=console.info,
                  prealign_cache: str | Path | None = None, edge_dtype: torch.dtype | None = None):
         from ciders.algorithms import configure
 
@@ -39,6 +39,7 @@ class LLMTask(ClientSide):
         # server's model, so nothing is cast for them.
         self.edge_dtype = edge_dtype
         with phase("model and data"):
+            federated.check_sources(cfg)  # a mistyped data path fails before minutes of model loading
             self.d, self.tok = build(cfg)
             self.pad = self.tok.pad_token_id
             s = self.d.split
@@ -50,7 +51,7 @@ class LLMTask(ClientSide):
         tc = cfg.takd
         self.cache = None
         if tc.teacher_cache != "off":
-            bar = tqdm(total=len(self.public), desc="teacher cache B_F(x)", unit="ex", leave=False)
+            bar = console.bar(total=len(self.public), desc="teacher cache B_F(x)", unit="ex", leave=False)
             self.cache = TeacherCache.build(self.d, self.public, self.pad, batch_size=cfg.data.eval_batch_size,
                                             mode=tc.teacher_cache, directory=Path(out) / "teacher_cache",
                                             memory_limit_mib=tc.cache_memory_mib,
@@ -63,6 +64,7 @@ class LLMTask(ClientSide):
                 f"{self.d.base.dtype} base; docs/method.md#eq-7-finite-difference-meta-gradient-fd)")
         self.loss = MessengerLoss(self.d, compute_dtype=step_dtype)
         self._hidden: dict[tuple[str, int], torch.Tensor] = {}
+        self._eval_bar = None  # the running evaluation's progress bar (`evaluate`)
 
     def _load_data(self, out: Path) -> None:
         self.data = federated.build(self.cfg, self.tok)
@@ -91,7 +93,7 @@ class LLMTask(ClientSide):
     @phase("pre-alignment")
     def _prealign(self):
         tc = self.cfg.takd
-        bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
+        bar = console.bar(total=tc.bootstrap_steps, desc="round -1 TAKD pre-alignment", unit="step")
 
         def on_step(rec: dict) -> None:
             bar.update(1)
@@ -154,14 +156,22 @@ class LLMTask(ClientSide):
         tc = self.cfg.takd
         if tc.round_steps == 0:
             return extra, {"steps": 0}
-        st, hist = distill(self.d, extra, server.messenger, self.public, tc, tc.round_steps, pad_id=self.pad,
-                           seed=self.cfg.seed, cache=self.cache)
+        with console.bar(total=tc.round_steps, desc=f"round {t} TAKD", unit="step", leave=False) as bar:
+            st, hist = distill(self.d, extra, server.messenger, self.public, tc, tc.round_steps, pad_id=self.pad,
+                               seed=self.cfg.seed, cache=self.cache, on_step=lambda rec: bar.update(1))
         return st, {"steps": tc.round_steps, "loss": sum(h["loss"] for h in hist) / len(hist),
                     "hidden": hist[-1]["hidden"], "kl": hist[-1]["kl"], "ce": hist[-1]["ce"]}
 
+    def _batches(self, feats: list[dict]):
+        """The evaluation batches of `feats`, counted on the running evaluation's bar."""
+        for b in iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device):
+            yield b
+            if self._eval_bar is not None:
+                self._eval_bar.update(b["input_ids"].shape[0])
+
     def _ppl(self, messenger: dict, feats: list[dict]) -> dict:
         self.d.load_messenger(messenger)
-        return perplexity(self.d.adapemu, iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device))
+        return perplexity(self.d.adapemu, self._batches(feats))
 
     def _ppls(self, messengers: list[dict], feats: list[dict]) -> list[dict]:
         """`_ppl` of each messenger on the same examples, with B_L(x) computed once for all of them: AdapEmu =
@@ -169,7 +179,7 @@ class LLMTask(ClientSide):
         if len(messengers) == 1:
             return [self._ppl(messengers[0], feats)]
         cached = []
-        for b in iter_batches(feats, self.cfg.data.eval_batch_size, self.pad, self.d.device):
+        for b in self._batches(feats):
             with torch.inference_mode():
                 h = self.d.backbone_hidden(b["input_ids"], b["attention_mask"])
             cached.append({"inputs_embeds": h, "attention_mask": b["attention_mask"], "labels": b["labels"]})
@@ -186,9 +196,14 @@ class LLMTask(ClientSide):
         mean over the clients' own messengers (`local_models` says how many)."""
         pers = {cid: {k: v.to(self.d.device) for k, v in st.items()} for cid, st in personalized.items()}
         tasks = self.cfg.eval.tasks if t >= 0 or self.cfg.eval.tasks_before else ()
-        if not self.cfg.algorithm.communicate and pers:
-            return self._evaluate_local(server, pers, tasks)
-        return self._evaluate(server, pers, tasks)
+        local = not self.cfg.algorithm.communicate and pers
+        held = sum(len(self.heldout[c]) for c in (pers if local else self.train) if self.heldout.get(c))
+        n = (len(pers) if local else 1) * len(self.global_eval) + held  # examples through the model (ppl)
+        with console.bar(total=n, desc=f"round {t} evaluation", unit="ex", leave=False) as self._eval_bar:
+            try:
+                return self._evaluate_local(server, pers, tasks) if local else self._evaluate(server, pers, tasks)
+            finally:
+                self._eval_bar = None
 
     def _evaluate(self, server, pers: dict, tasks) -> dict:
         out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}

@@ -26,8 +26,8 @@ from ciders.models.decompose import Decomposition, decompose
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state
 from ciders.models.load import load_model, load_tokenizer
 from ciders.runtime import seed_everything
-from ciders.tasks.paths import resolve
-from ciders.tasks.text import batches, load_examples, tokenize
+from ciders.tasks.sources import check, data_kw, load_examples
+from ciders.tasks.text import batches, tokenize
 
 
 def build(cfg: ExperimentConfig) -> tuple[Decomposition, object]:
@@ -43,8 +43,8 @@ def build(cfg: ExperimentConfig) -> tuple[Decomposition, object]:
 
 def load_text(cfg: ExperimentConfig, tok) -> tuple[list[dict], list[dict], dict]:
     dc = cfg.data
-    pub_ex, pub_rep = load_examples(resolve(dc.public), dc.format, dc.public_limit)
-    ev_ex, ev_rep = load_examples(resolve(dc.eval), dc.format, dc.eval_limit)
+    pub_ex, pub_rep = load_examples(dc.public, dc.format, dc.public_limit, **data_kw(dc))
+    ev_ex, ev_rep = load_examples(dc.eval, dc.format, dc.eval_limit, **data_kw(dc))
     public = tokenize(pub_ex, tok, dc.max_length, pub_rep)
     evald = tokenize(ev_ex, tok, dc.max_length, ev_rep)
     overlap = len({e.prompt for e in pub_ex} & {e.prompt for e in ev_ex})
@@ -62,7 +62,7 @@ def _teacher_cache(cfg: ExperimentConfig, d: Decomposition, public: list[dict], 
     tc = cfg.takd
     if tc.teacher_cache == "off":
         return None
-    bar = tqdm(total=len(public), desc="teacher cache B_F(x)", unit="ex", leave=False)
+    bar = tqdm(total=len(public), desc="teacher cache B_F(x)", unit="ex", leave=False, disable=None)
     cache = TeacherCache.build(d, public, pad, batch_size=cfg.data.eval_batch_size, mode=tc.teacher_cache,
                                directory=out / "teacher_cache", memory_limit_mib=tc.cache_memory_mib,
                                progress=lambda i, n: bar.update(i - bar.n))
@@ -77,7 +77,7 @@ def _bootstrap(cfg: ExperimentConfig, d: Decomposition, public: list[dict], pad:
     tc = cfg.takd
     state = init_state(d)
     messenger = d.messenger_state()
-    bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step")
+    bar = tqdm(total=tc.bootstrap_steps, desc="TAKD pre-alignment", unit="step", disable=None)
 
     def on_step(rec: dict) -> None:
         append_jsonl(metrics, {"event": "takd", **rec})
@@ -119,6 +119,8 @@ def run_prealign(cfg: ExperimentConfig, out: str | Path, log: Callable[[str], No
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
 
+    for src in (cfg.data.public, cfg.data.eval):  # before the model: a mistyped path fails at once
+        check(src)
     d, tok = build(cfg)
     s = d.split
     log(f"model {cfg.model.name}: {s.n_layers} layers on {d.device} ({d.base.dtype}); messenger {s.messenger_layers} "
@@ -131,7 +133,7 @@ def run_prealign(cfg: ExperimentConfig, out: str | Path, log: Callable[[str], No
     cache = _teacher_cache(cfg, d, public, pad, out)
 
     def ppl(model, desc):
-        r = perplexity(model, tqdm(list(batches(evald, cfg.data.eval_batch_size, pad, d.device)), desc=desc, leave=False))
+        r = perplexity(model, tqdm(list(batches(evald, cfg.data.eval_batch_size, pad, d.device)), desc=desc, leave=False, disable=None))
         append_jsonl(metrics, {"event": "eval", "path": desc, **r})
         return r
 
