@@ -366,3 +366,20 @@ def test_unknown_keys_and_choices_say_did_you_mean():
     with pytest.raises(ConfigError, match=r"unknown key 'zzz'") as e:
         load_config(None, ["zzz=1"])
     assert "did you mean" not in str(e.value)  # nothing close: no guess
+
+
+def test_a_run_directory_config_reads_relative_paths_as_the_old_runs_meant_them(tmp_path, monkeypatch):
+    from ciders.config import load_run_config
+
+    run = tmp_path / "runs" / "old"
+    run.mkdir(parents=True)
+    rel, absolute = str(Path("data", "p.jsonl")), str(tmp_path / "e.jsonl")  # not literal paths: test_docs checks those
+    (run / "config.yaml").write_text(f"data: {{public: {rel}, eval: {absolute}}}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(run / "config.yaml")
+    assert cfg.data.public == str(tmp_path / rel)  # where the run was started, not the run dir
+    assert cfg.data.eval == absolute
+    fresh = load_config(None, [f"data.public={rel}"])
+    (run / "config.yaml").write_text(dump_yaml(fresh))
+    monkeypatch.chdir(run)  # a new run's config.yaml is absolute: the same from anywhere
+    assert load_run_config(run / "config.yaml") == fresh

@@ -196,7 +196,7 @@ def _cmd_theory(a: argparse.Namespace) -> int:
 
 
 def _cmd_export(a: argparse.Namespace) -> int:
-    from ciders.config import load_config
+    from ciders.config import load_run_config
     from ciders.workloads.prealign import build
     from ciders.fileio import check_output
     from ciders.models.export import export_edge_model
@@ -209,7 +209,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
         raise CidersError(f"{run}: not a run directory (no config.yaml) nor a Flower node's state directory "
                           "(no edge/ciders_edge.json)")
     check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"])  # export_edge_model writes the marker
-    cfg = load_config(run / "config.yaml")
+    cfg = load_run_config(run / "config.yaml")
     d, tok = build(cfg)
     if a.client:
         from ciders.workloads.evaluation import load_personalized

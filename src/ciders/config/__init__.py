@@ -17,7 +17,7 @@ import yaml
 
 from ciders.config.base import *  # noqa: F401,F403 - the CIDERS sections and the machinery
 from ciders.config.base import (AlgorithmName, ExperimentConfig, apply_overrides, check_choices, describe_keys,  # noqa: F401
-                                dump_yaml, field_choices, from_dict, literal_choices, load_config, loads_config, opt,
+                                dump_yaml, field_choices, from_dict, literal_choices, load_config, load_run_config, loads_config, opt,
                                 section, to_dict, validate_sections)
 from ciders.config.bilevel import (BilevelExperiment, BilevelFederationConfig, BilevelMethod,  # noqa: F401
                                    BilevelTaskConfig, FedMetaConfig, RaboConfig)

@@ -108,8 +108,8 @@ class LoraConfig:
     alpha: float = opt(16.0, "lora_alpha (scaling = alpha / r)")
     dropout: float = opt(0.05, "dropout on the LoRA input")
     targets: tuple[str, ...] = opt(DEFAULT_LORA_TARGETS, "module names (last path component) inside each decoder "
-                                   "layer, or [all-linear]; the default on a layer with fused projections (Phi-3, "
-                                   "GPT-NeoX) becomes every linear module of the layer")
+                                   "layer, or [all-linear]; the default on a layer with fused projections (e.g. Phi-3) "
+                                   "becomes every linear module of the layer")
 
     def validate(self, where: str = "lora") -> None:
         if self.r < 1:
@@ -828,6 +828,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
         data = anchor_paths(data, p.resolve().parent)
     data = apply_overrides(data, overrides or [], cls)
     return _anchor_config(from_dict(cls, data), Path.cwd()).validate()
+
+
+def load_run_config(path: str | Path, cls: type = ExperimentConfig) -> Any:
+    """A run directory's config.yaml. It holds absolute paths (load_config made them so); a run written before
+    paths were anchored holds paths relative to the directory it was run from, which is read as the current one
+    (not the run directory, which load_config would take)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    return _anchor_config(loads_config(p.read_text(encoding="utf-8"), str(p), cls), Path.cwd()).validate()
 
 
 def loads_config(text: str, what: str = "config", cls: type = ExperimentConfig) -> Any:

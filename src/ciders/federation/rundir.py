@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ciders.config import ExperimentConfig, dump_yaml, load_config, to_dict
+from ciders.config import ExperimentConfig, dump_yaml, load_run_config, to_dict
 from ciders.errors import CidersError
 from ciders.federation import console
 from ciders.fileio import acquire_lock, append_jsonl, atomic_dir, read_jsonl, remove_leftovers, write_json, write_text
@@ -153,7 +153,7 @@ def check_same_config(run: RunDir, cfg, extend_rounds: bool = False) -> int | No
     path = run.root / "config.yaml"
     if not path.is_file():
         raise CidersError(f"--resume: {path} is missing; the run directory is damaged")
-    saved = load_config(path, cls=type(cfg))
+    saved = load_run_config(path, cls=type(cfg))
     keys = config_differences(to_dict(saved), to_dict(cfg))
     others = [k for k in keys if not (extend_rounds and k == EXTENDABLE)]
     if others:

@@ -44,7 +44,7 @@ def linear_names(layer: nn.Module) -> list[str]:
 def resolve_targets(layer: nn.Module, cfg: LoraConfig) -> LoraConfig:
     """`cfg` with its targets as module names that exist in `layer` (docs/method.md#lora-targets-on-other-architectures).
     `all-linear`, or the default list on a layer that lacks some of its names (fused projections such as Phi-3's
-    qkv_proj / gate_up_proj, GPT-NeoX's query_key_value): every linear module of the layer, which is what the
+    qkv_proj / gate_up_proj): every linear module of the layer, which is what the
     default means on Llama-style layers. A list the user chose must match fully."""
     from dataclasses import replace
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ciders.config import ExperimentConfig, load_config
+from ciders.config import ExperimentConfig, load_run_config
 from ciders.core.diagnostics import psi, psi_inf
 from ciders.core.metagrad import fd_class
 from ciders.core.schedules import gamma_at
@@ -40,7 +40,7 @@ def load_run(root: str | Path) -> Run:
     root = Path(root)
     if not (root / "metrics.jsonl").is_file() or not (root / "config.yaml").is_file():
         raise FileNotFoundError(f"{root} is not a run directory (no metrics.jsonl / config.yaml)")
-    return Run(root, load_config(root / "config.yaml"), read_jsonl(root / "metrics.jsonl"))
+    return Run(root, load_run_config(root / "config.yaml"), read_jsonl(root / "metrics.jsonl"))
 
 
 def client_rounds(run: Run) -> list[dict]:

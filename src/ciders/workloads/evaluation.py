@@ -98,7 +98,7 @@ def eval_run(run_dir, tasks: tuple[str, ...] | None = None, path: str = "adapemu
     from dataclasses import replace
     from pathlib import Path
 
-    from ciders.config import load_config
+    from ciders.config import load_run_config
     from ciders.federation.rundir import RunDir
     from ciders.workloads.prealign import build
     from ciders.fileio import write_json
@@ -107,7 +107,7 @@ def eval_run(run_dir, tasks: tuple[str, ...] | None = None, path: str = "adapemu
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise CidersError(f"{run}: not a run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
+    cfg = load_run_config(run / "config.yaml")
     ecfg = replace(cfg.eval, limit=limit if limit is not None else cfg.eval.limit)
     tasks = tasks or ("ppl", *cfg.eval.tasks)
     for t in tasks:
