@@ -66,8 +66,7 @@ class AdamWState:
     def equal(self, other: "AdamWState") -> bool:
         """Same step and bitwise the same moments (shapes, dtypes, values) under the same names."""
         return (isinstance(other, AdamWState) and self.step == other.step
-                and all(a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-                        for a, b in ((self.m, other.m), (self.v, other.v))))
+                and moments_equal((self.m, other.m), (self.v, other.v)))
 
     __eq__ = equal  # a bool, not an elementwise tensor comparison
     __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
@@ -75,6 +74,11 @@ class AdamWState:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def moments_equal(*pairs: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]) -> bool:
+    """Each (a, b) pair names the same tensors, bitwise equal (shapes, dtypes, values): optimizer-state equality."""
+    return all(a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a) for a, b in pairs)
 
 
 def adamw_init(params: Mapping[str, torch.Tensor]) -> AdamWState:

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ciders.core.optim import moments_equal
 from ciders.core.tensors import State
 from ciders.errors import ConfigError
 
@@ -111,15 +112,10 @@ class ServerOptState:
     def equal(self, other: object) -> bool:
         """Same optimizer and step, and bitwise the same moments (shapes, dtypes, values) under the same names."""
         return (isinstance(other, ServerOptState) and (self.name, self.step) == (other.name, other.step)
-                and all(a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-                        for a, b in ((self.m, other.m), (self.v, other.v))))
+                and moments_equal((self.m, other.m), (self.v, other.v)))
 
     __eq__ = equal  # a bool, not an elementwise tensor comparison
     __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def state_dtype(t: torch.Tensor) -> torch.dtype:
