@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench cpu-protocols cpu-protocol-h clean
+.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h clean
 
 # torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt pyproject.toml
@@ -22,14 +22,22 @@ demo: $(STAMP)
 	$(BIN)/ciders run configs/demo.yaml --out runs/demo
 
 # Default suite (tiny models, a few minutes), then the real-model suite (SmolLM2-135M), then the Flower suite
-# (Ray simulation and SuperLink/SuperNode deployments on 127.0.0.1; client processes single-threaded).
+# (Ray simulation and SuperLink/SuperNode deployments on 127.0.0.1; client processes single-threaded), then the
+# docs suite (test-docs below).
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not flower"
+	$(BIN)/python -m pytest -m "not slow and not flower and not docs"
 	$(BIN)/python -m pytest -m slow
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m flower
+	$(BIN)/python -m pytest -m docs
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not flower"
+	$(BIN)/python -m pytest -m "not slow and not flower and not docs"
+
+# The long documented commands (compare, sweep, bilevel on configs/cpu) run as written until their first run has
+# committed its first round, and README's report line on the comparison (tests/test_doc_commands_long.py; the
+# datasets under $$CIDERS_DATA, as .ci/run sets it): about 4 minutes on 2 idle cores.
+test-docs: $(STAMP)
+	$(BIN)/python -m pytest -m docs
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/client_step.py

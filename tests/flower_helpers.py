@@ -1,11 +1,16 @@
-"""Shared by the Flower test modules: the tiny experiment, the in-process reference run, free ports and a
-fresh loopback deployment with credentials."""
+"""Shared by the Flower test modules: the tiny experiment, the in-process reference run, the bit-for-bit
+comparison of two runs, free ports and a fresh loopback deployment with credentials."""
 
 import socket
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 from ciders.config import load_config
 from ciders.federation.loop import run_federation
 from ciders.workloads.llm import LLMTask
+from ciders.fileio import read_jsonl
 from conftest import ROOT
 
 TINY = f"""name: flower-tiny
@@ -46,3 +51,24 @@ def deployment(tmp_path, n=3):
     work = tmp_path / "dep"
     make_credentials(work, n)
     return Deployment(work, port=free_port(), node_port=free_port(), control_port=free_port())
+
+
+def _diagnosis(run: Path, work: Path | None) -> str:
+    """What to read when a deployed run differs: the ServerApp's log and the nodes' worker logs (tails)."""
+    logs = [run / "server.log"] + (sorted(work.glob("nodes/*/worker.log")) if work else [])
+    return "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in logs if p.exists())
+
+
+def assert_same_run(a: Path, b: Path, work: Path | None = None):
+    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [r["event"] for r in ra] == [r["event"] for r in rb]
+    for x, y in zip(ra, rb):
+        if y["event"] == "client" and "peak_rss_mib" in y:  # an edge client's own footprint and timings: Flower only
+            for k in ("peak_rss_mib", "disk_mib", "compute_s", "handle_s", "startup_s"):
+                assert y.pop(k) > 0, k
+            assert isinstance(y.pop("warm"), bool)
+        assert x == y, (x["event"], x.get("round"), _diagnosis(b, work))
+    for part in ("messenger", "student"):
+        fa, fb = (next((d / "adapters" / part).glob("*.safetensors")) for d in (a, b))
+        ta, tb = load_file(fa), load_file(fb)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), part

@@ -1,59 +1,31 @@
 """Every `ciders ...` command shown in the README and docs holds as written, from a checkout's root.
 
 Each command in a shell code block is parsed by the real argument parser, its config file must exist in the
-checkout and load with the command's own --set / --grid values, its method names must be known, and its data
-paths must exist. The commands that finish in seconds run here as written; the Flower simulation and loopback
-commands run as written, from a copy of the checkout, in the Flower suite. Synopsis lines (placeholders such as
-RUN_DIR, alternatives `a|b`, optional `[...]`) are checked for their subcommand only.
+checkout and load with the command's own --set values, its method names must be known, and its data paths must
+exist; for `compare`, `sweep` and `bilevel`, every run the command would make (each method x grid point x seed) gets
+its effective config built by the command's own functions, so no later run can fail on config. Synopsis lines
+(placeholders such as RUN_DIR, alternatives `a|b`, optional `[...]`) are checked for their subcommand only.
+
+Every concrete line also runs as written, from the root of a copy of a fresh checkout, in one of these tests
+(`test_every_concrete_documented_command_runs_as_written_somewhere` keeps that true): here, the ones that finish in
+seconds (theory, config, local runs of configs/tiny.yaml) and (Flower suite) the simulation and loopback commands; the role-per-host and real-hosts lines of
+docs/flower.md in tests/transports/test_flower_docs.py (Flower suite); compare, sweep, bilevel and the report of the
+compare line's directory in tests/test_doc_commands_long.py (docs suite, `make test-docs`).
 """
 
-import re
-import shlex
-import shutil
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from ciders.cli import main, parser
-
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PLACEHOLDER = re.compile(r"\b[A-Z][A-Z_]{2,}\b|\.\.\.|\[|\||<|(?<= )[Ni](?= |$)")  # RUN_DIR, a|b, [--x], N
-
-
-def doc_commands() -> list[tuple[str, str]]:
-    """(where, command) for every `ciders` line in a bash / sh / console block, continuations joined."""
-    out = []
-    for doc in DOCS:
-        lines = doc.read_text(encoding="utf-8").splitlines()
-        in_block, i = False, 0
-        while i < len(lines):
-            line = lines[i]
-            if line.strip().startswith("```"):
-                in_block = not in_block and line.strip()[3:].strip() in ("bash", "sh", "console", "shell")
-                i += 1
-                continue
-            if in_block:
-                start = i
-                text = line.strip()
-                while text.endswith("\\") and i + 1 < len(lines):
-                    i += 1
-                    text = text[:-1] + " " + lines[i].strip()
-                text = text[2:] if text.startswith("$ ") else text
-                if text.startswith("ciders "):
-                    out.append((f"{doc.relative_to(ROOT)}:{start + 1}", text))
-            i += 1
-    return out
-
-
-COMMANDS = doc_commands()
+from doc_helpers import (COMMANDS, CONCRETE, LONG_COMMANDS, ROOT, argv, bash_block, checkout_copy, ciders,
+                         shell_env, sub_runs, synopsis)
 
 
 def _argv(text: str) -> list[str]:
-    text = text.replace("$((9094 + i))", "9094").replace("$i", "0")  # docs/flower.md's per-node loop variable
-    return [w for w in shlex.split(text, comments=True) if w != "&"][1:]
+    return argv(text.replace("$((9094 + i))", "9094").replace("$i", "0"))  # docs/flower.md's per-node loop variable
 
 
 def test_the_docs_show_commands():
@@ -65,51 +37,72 @@ def test_every_documented_command_parses_and_its_files_exist(where, text, monkey
     from ciders.config import load_experiment
 
     monkeypatch.chdir(ROOT)
-    argv = _argv(text)
+    words = _argv(text)
     sub = [c for c in parser()._subparsers._group_actions[0].choices]  # noqa: SLF001 - the real subcommands
-    assert argv and argv[0] in sub, f"{where}: unknown subcommand in {text!r}"
-    if PLACEHOLDER.search(text.split("#")[0]):
+    assert words and words[0] in sub, f"{where}: unknown subcommand in {text!r}"
+    if synopsis(text):
         return  # a synopsis: subcommand checked only
     try:
-        a = parser().parse_args(argv)
+        a = parser().parse_args(words)
     except SystemExit as exc:
         pytest.fail(f"{where}: {text!r} does not parse (exit {exc.code})")
     config = getattr(a, "config", None)
     if isinstance(config, str) and config.endswith(".yaml"):
-        if not (ROOT / config).is_file():  # examples of the user's own file (experiment.yaml) are not ours
-            assert not config.startswith("configs/"), f"{where}: {config} is not in the checkout"
-            return
-        overrides = list(getattr(a, "set", None) or [])
-        for item in getattr(a, "grid", None) or []:
-            key, values = item.split("=", 1)
-            overrides.append(f"{key}={values.split(',')[0]}")
-        load_experiment(ROOT / config, overrides)
-    for names, parse in ((getattr(a, "algorithms", None), "ciders.experiments.compare"),):
-        if names:
-            __import__(parse, fromlist=["parse_methods"]).parse_methods(names)
+        assert (ROOT / config).is_file(), f"{where}: {config} is not in the checkout (a user's own file is a " \
+                                          "placeholder: EXPERIMENT.yaml)"
+        load_experiment(ROOT / config, list(getattr(a, "set", None) or []))
+    if words[0] in LONG_COMMANDS:  # every run the command makes, configured as the command configures it
+        runs = sub_runs(words)
+        assert len({d for d, _ in runs}) == len(runs), f"{where}: two runs share a directory"
 
 
-CHEAP = [t for _, t in COMMANDS if t.split()[1] in ("theory", "config") and not PLACEHOLDER.search(t.split("#")[0])]
+# Which test runs each concrete line as written (the first word after `ciders`, or the line's start).
+CHEAP = [t for _, t in CONCRETE if argv(t)[0] in ("theory", "config")]
+# local runs of the tiny config: seconds each
+TINY_RUNS = sorted({" ".join(argv(t)) for _, t in CONCRETE
+                    if t.startswith("ciders run configs/tiny.yaml ") and "--engine" not in t})
+FLOWER = sorted({" ".join(argv(t)) for _, t in CONCRETE
+                 if t.startswith(("ciders run configs/tiny.yaml --engine flower-sim", "ciders flower loopback "))})
+ROLE_BLOCK = bash_block(ROOT / "docs" / "flower.md", "ciders flower credentials runs/fleet")
+RUN_BY = {
+    "tests/test_doc_commands.py::test_the_quick_documented_commands_run_as_written": lambda t: t in CHEAP,
+    "tests/test_doc_commands.py::test_the_documented_tiny_runs_run_as_written_from_a_checkout":
+        lambda t: " ".join(argv(t)) in TINY_RUNS,
+    "tests/test_doc_commands.py::test_the_documented_flower_commands_run_as_written_from_a_checkout":
+        lambda t: " ".join(argv(t)) in FLOWER,
+    "tests/transports/test_flower_docs.py::test_documented_role_commands_deploy_and_stop_cleanly":
+        lambda t: t in ROLE_BLOCK,
+    "tests/transports/test_flower_docs.py::test_real_hosts_workflow_on_loopback":
+        lambda t: t.startswith(("ciders flower superlink fleet ", "ciders flower register fleet ")),
+    "tests/test_doc_commands_long.py::test_documented_long_command_runs_as_written_until_its_first_round":
+        lambda t: argv(t)[0] in LONG_COMMANDS and argv(t)[0] != "compare",
+    "tests/test_doc_commands_long.py::test_documented_compare_then_report_run_as_written":
+        lambda t: argv(t)[0] == "compare" or t.startswith("ciders report runs/compare-"),
+}
+
+
+def test_every_concrete_documented_command_runs_as_written_somewhere():
+    """A new concrete command in the docs needs a test that runs it (or placeholders that make it a synopsis)."""
+    unclaimed = [f"{w}: {t}" for w, t in CONCRETE if not any(claims(t) for claims in RUN_BY.values())]
+    assert not unclaimed, "documented commands that no test runs as written:\n" + "\n".join(unclaimed)
+    for test in RUN_BY:
+        path, name = test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), test
 
 
 @pytest.mark.parametrize("text", CHEAP)
 def test_the_quick_documented_commands_run_as_written(text, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    assert main(_argv(text)) == 0
+    assert main(argv(text)) == 0
 
 
-def _checkout_copy(tmp: Path) -> Path:
-    """The tracked files a fresh checkout has, that these commands read (configs and the vendored data)."""
-    files = subprocess.run(["git", "ls-files", "configs", "data"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        (tmp / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, tmp / f)
-    return tmp
-
-
-FLOWER = sorted({" ".join(_argv(t)) for _, t in COMMANDS
-                 if t.startswith(("ciders run configs/tiny.yaml --engine flower-sim", "ciders flower loopback "))})
+@pytest.mark.parametrize("args", TINY_RUNS)
+def test_the_documented_tiny_runs_run_as_written_from_a_checkout(args, tmp_path):
+    root = checkout_copy(tmp_path)
+    r = subprocess.run(ciders(args.split()), cwd=root, env=shell_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    words = args.split()
+    assert (root / words[words.index("--out") + 1] / "summary.json").is_file()
 
 
 @pytest.mark.flower
@@ -117,13 +110,11 @@ FLOWER = sorted({" ".join(_argv(t)) for _, t in COMMANDS
 def test_the_documented_flower_commands_run_as_written_from_a_checkout(args):
     """The loopback command once failed from a fresh checkout: its ServerApp runs in the work directory, where the
     config's relative data paths did not resolve. Config paths now resolve against the config file."""
-    import tempfile
-
     # a short root: a SuperNode's worker socket path (under --work) must fit a Unix socket's 100 characters
     with tempfile.TemporaryDirectory(dir="/tmp", prefix="ck") as tmp:
-        root = _checkout_copy(Path(tmp))
-        r = subprocess.run([sys.executable, "-m", "ciders.cli", *args.split()], cwd=root, capture_output=True,
-                           text=True, timeout=900)
+        root = checkout_copy(Path(tmp))
+        r = subprocess.run(ciders(args.split()), cwd=root, env=shell_env(), capture_output=True, text=True,
+                           timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         words = args.split()
         assert (root / words[words.index("--out") + 1] / "summary.json").is_file()

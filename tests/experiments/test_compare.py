@@ -128,3 +128,40 @@ def test_methods_of_a_seed_share_one_pre_alignment_equal_to_a_fresh_one(cmp_dir,
     assert pa.key(fedbiot, task.public) != pa.key(cfg, task.public)
     files[0].write_bytes(b"not a safetensors file")  # a damaged cache entry is recomputed, not trusted
     assert pa.load_cached(cmp_dir / "prealign", files[0].stem) is None
+
+
+def test_an_interrupted_comparison_keeps_its_table_so_far_and_reports(tmp_path):
+    """compare.json / compare.md are rewritten after every finished run: a comparison stopped as its second run
+    starts holds the first run's table, lists the other runs as pending, and `ciders report` draws it (README's
+    compare and report lines rely on it: tests/test_doc_commands_long.py)."""
+    import math
+
+    from ciders.experiments.compare import run_compare
+    from synthetic import VectorTask
+
+    class Task(VectorTask):
+        def evaluate(self, t, server, personalized):
+            nll = super().evaluate(t, server, personalized)["global_loss"]
+            return {"global": {"nll": nll, "ppl": math.exp(nll), "tokens": 100}}
+
+    made = []
+
+    def make_task(c, o):
+        if made:
+            raise KeyboardInterrupt  # Ctrl-C as the second run starts
+        made.append(o)
+        return Task(c.federation.clients, seed=c.seed)
+
+    cfg = load_config(None, ["federation.clients=3", "federation.rounds=2", "algorithm.local_steps=2",
+                             "algorithm.optimizer=sgd", "algorithm.lr=0.05"])
+    out = tmp_path / "cmp"
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(cfg, ["ciders-fo", "fedavg"], [0, 1], out, make_task=make_task, log=lambda s: None, progress=False)
+    info = json.loads((out / "compare.json").read_text())
+    assert list(info["per_seed"]["ciders-fo"]) == ["0"] and info["per_seed"]["fedavg"] == {}
+    assert info["pending"] == ["fedavg/seed0", "ciders-fo/seed1", "fedavg/seed1"]
+    assert info["aggregate"]["ciders-fo"]["nll"]["n"] == 1 and "fedavg" not in info["aggregate"]
+    assert (out / "compare.md").read_text().startswith("In progress: 3 of 4 runs still to do")
+    assert main(["report", str(out)]) == 0
+    page = (out / "report" / "index.html").read_text()
+    assert "in progress: 3 runs to go" in page and "fedavg/seed0" in page and "runs not found" not in page

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from ciders.algorithms import ciders as alg
@@ -19,7 +18,7 @@ from ciders.core.store import RoundStore
 from ciders.federation.loop import Faults, RunDir
 from ciders.fileio import read_jsonl
 from conftest import ROOT
-from flower_helpers import TINY, deployment, free_port, local_run
+from flower_helpers import TINY, assert_same_run, deployment, free_port, local_run
 
 pytestmark = pytest.mark.flower
 
@@ -29,27 +28,6 @@ def tiny(tmp_path):
     p = tmp_path / "tiny.yaml"
     p.write_text(TINY)
     return p
-
-
-def _diagnosis(run: Path, work: Path | None) -> str:
-    """What to read when a deployed run differs: the ServerApp's log and the nodes' worker logs (tails)."""
-    logs = [run / "server.log"] + (sorted(work.glob("nodes/*/worker.log")) if work else [])
-    return "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in logs if p.exists())
-
-
-def assert_same_run(a: Path, b: Path, work: Path | None = None):
-    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
-    assert [r["event"] for r in ra] == [r["event"] for r in rb]
-    for x, y in zip(ra, rb):
-        if y["event"] == "client" and "peak_rss_mib" in y:  # an edge client's own footprint and timings: Flower only
-            for k in ("peak_rss_mib", "disk_mib", "compute_s", "handle_s", "startup_s"):
-                assert y.pop(k) > 0, k
-            assert isinstance(y.pop("warm"), bool)
-        assert x == y, (x["event"], x.get("round"), _diagnosis(b, work))
-    for part in ("messenger", "student"):
-        fa, fb = (next((d / "adapters" / part).glob("*.safetensors")) for d in (a, b))
-        ta, tb = load_file(fa), load_file(fb)
-        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), part
 
 
 # ------------------------------------------------------------------------------------------ simulation
@@ -110,49 +88,6 @@ def test_loopback_deployment_with_tls_and_node_auth_equals_in_process(tiny, tmp_
     logs = capsys.readouterr().out
     assert "TLS + SuperNode auth" in logs and "Control on 127.0.0.1:" in logs and "finished:completed" in logs and "still running" not in logs, logs
     assert_same_run(tmp_path / "local", tmp_path / "dep-run", tmp_path / "dep")
-
-
-def test_documented_role_commands_deploy_and_stop_cleanly(tiny, tmp_path):
-    """The multi-host path of docs/flower.md, on one host: `ciders flower credentials | superlink |
-    register | supernode | launch` as separate processes (SuperNodes on the Fleet address, the operator's
-    register and launch on the Control address); SIGTERM to each role stops everything it started."""
-    import signal
-    import subprocess
-    import sys
-
-    local_run(tiny, tmp_path / "local")
-    work, port, control = tmp_path / "dep", free_port(), f"127.0.0.1:{free_port()}"
-    cli = [sys.executable, "-m", "ciders.cli", "flower"]
-    subprocess.run(cli + ["credentials", str(work), "--clients", "3"], check=True, capture_output=True)
-    roles = [subprocess.Popen(cli + ["superlink", str(work), "--port", str(port), "--control-port",
-                                     control.rpartition(":")[2]], stdout=subprocess.PIPE, text=True)]
-    try:
-        assert f"Control on {control} (operator only)" in roles[0].stdout.readline()
-        keys = [str(work / "keys" / f"supernode{i}.pub") for i in range(3)]
-        r = subprocess.run(cli + ["register", str(work), *keys, "--control", control], capture_output=True, text=True)
-        assert r.returncode == 0 and "3 SuperNode keys registered" in r.stdout, r.stdout + r.stderr
-        node_port = free_port()
-        for i in range(3):
-            roles.append(subprocess.Popen(cli + ["supernode", str(work), "--partition", str(i), "--clients", "3",
-                                                 "--superlink", f"127.0.0.1:{port}", "--node-port", str(node_port + i),
-                                                 "--state-dir", str(work / "nodes" / f"client{i}")]))
-        r = subprocess.run(cli + ["launch", str(tiny), "--out", str(tmp_path / "run"), "--work", str(work),
-                                  "--control", control], capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0 and "finished:completed" in r.stdout, r.stdout + r.stderr
-    finally:
-        for p in roles:
-            p.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=60) for p in roles]
-    assert codes == [0, 0, 0, 0]
-    assert_same_run(tmp_path / "local", tmp_path / "run", work)
-    deadline = time.monotonic() + 30  # the roles have exited; Flower's own children may take a moment
-    while True:
-        left = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout.splitlines()
-        left = [x for x in left if not x.startswith("Z") and (str(work) in x or "flower-superlink" in x)]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert left == [], left
 
 
 def in_sync(cs: alg.ClientState, cp: alg.ServerCopy) -> bool:

@@ -47,7 +47,8 @@ def parse_seeds(text: str) -> list[int]:
 def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out: str | Path,
                 make_task: Callable[[ExperimentConfig, Path], object] | None = None,
                 log: Callable[[str], None] = print, progress: bool = True) -> dict:
-    """Run (or reuse) every (method, seed) and write compare.json and compare.md in `out`."""
+    """Run (or reuse) every (method, seed) and write compare.json and compare.md in `out` (after every finished
+    run, over the finished ones: an interrupted comparison still has its table so far)."""
     from ciders.federation.loop import RunDir, check_same_config, run_federation
 
     if make_task is None:
@@ -86,11 +87,26 @@ def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out
                 raise CidersError(f"{rd}: its data split differs from the other methods' for seed {s}; the "
                                   "comparison would not be like for like (was a run made with another config?)")
             per_seed[m][s] = tables.final_metrics(rd)
-    agg = tables.aggregate(per_seed)
-    result = {"config": cfg.name, "methods": methods, "seeds": seeds, "runs": runs, "per_seed": per_seed,
-              "aggregate": agg, "ranks": {k: tables.ranks(agg, k) for k in tables.METRICS}}
-    md = tables.markdown(agg, title=f"{cfg.name}: {', '.join(methods)}", seeds=seeds)
-    pairs = {k: tables.pairwise(per_seed, k) for k in ("nll", "personalized_ppl")}
+            # the table so far after every finished run: `ciders report OUT` draws a comparison in progress
+            result = write_tables(out, cfg.name, methods, seeds, runs, per_seed)
+    return result
+
+
+def write_tables(out: Path, name: str, methods: list[str], seeds: list[int], runs: dict[str, dict[int, str]],
+                 per_seed: dict[str, dict[int, dict]]) -> dict:
+    """compare.json and compare.md over the finished runs; `pending` lists the (method, seed) runs still to do
+    (empty once the comparison is complete)."""
+    done = {m: {s: per_seed[m][s] for s in seeds if s in per_seed[m]} for m in methods}
+    pending = [f"{m}/seed{s}" for s in seeds for m in methods if s not in done[m]]
+    agg = tables.aggregate({m: v for m, v in done.items() if v})
+    result = {"config": name, "methods": methods, "seeds": seeds,
+              "runs": {m: {s: runs[m][s] for s in done[m]} for m in methods}, "per_seed": done,
+              "aggregate": agg, "ranks": {k: tables.ranks(agg, k) for k in tables.METRICS}, "pending": pending}
+    md = tables.markdown(agg, title=f"{name}: {', '.join(methods)}", seeds=seeds)
+    if pending:
+        md = (f"In progress: {len(pending)} of {len(methods) * len(seeds)} runs still to do "
+              f"({', '.join(pending)}); the table is over the finished ones.\n\n") + md
+    pairs = {k: tables.pairwise(done, k) for k in ("nll", "personalized_ppl")}
     result["pairwise"] = pairs
     if len(seeds) > 1:
         md += "".join("\n" + tables.pairwise_markdown(rows, k) for k, rows in pairs.items() if rows)

@@ -189,9 +189,12 @@ def summary_of(run: dg.Run) -> dict | None:
 def compare_groups(root: Path, info: dict) -> tuple[dict[str, Group], list[str]]:
     """The compare directory's runs by method, and the (method, seed) runs that could not be read."""
     groups, lost = {}, []
+    pending = set(info.get("pending", ()))  # a comparison in progress: runs not finished yet are not drawn
     for m in info["methods"]:
         seeds, runs = [], []
         for s in info["seeds"]:
+            if f"{m}/seed{s}" in pending:
+                continue
             # the recorded path, unless the comparison directory was moved (then its own copy)
             here, recorded = root / m / f"seed{s}", info.get("runs", {}).get(m, {}).get(str(s))
             rd = here if here.is_dir() or not recorded else Path(recorded)
@@ -445,8 +448,12 @@ def compare_page(root: Path, page: Page) -> str:
         config(page, (root / "base_config.yaml").read_text(), "base_config.yaml (each method then fixes its own knobs)")
     if lost:
         page.add(f'<p class="na">runs not found: {esc("; ".join(lost))}</p>')
+    pending = info.get("pending") or []
+    if pending:
+        page.add(f'<p class="na">in progress: {len(pending)} runs not finished yet, not shown '
+                 f'({esc(", ".join(pending))})</p>')
     return (f"Comparison report: {info.get('config', root.name)} — {len(info['methods'])} methods × "
-            f"{len(info['seeds'])} seeds")
+            f"{len(info['seeds'])} seeds" + (f" (in progress: {len(pending)} runs to go)" if pending else ""))
 
 
 def run_page(root: Path, page: Page) -> str:

@@ -80,12 +80,31 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
     return run_federation(cfg, task, out, resume=resume, log=log, progress=False, exchange=ex)
 
 
-def make_server_app(spec: dict | None = None) -> ServerApp:
+def _stoppable(grid: Grid, stop) -> Grid:
+    """`grid`, whose every pull raises once `stop` (a threading.Event) is set. Flower's simulation runs the
+    ServerApp in a thread that is not a daemon and that Ctrl-C does not reach: without this, an interrupted
+    `--engine flower-sim` command would wait out flower.round_timeout_s for replies that never come."""
+    from ciders.errors import CidersError
+
+    for name in ("pull_messages", "get_node_ids"):
+        def checked(*a, _call=getattr(grid, name), **kw):
+            if stop.is_set():
+                raise CidersError("interrupted: the simulation stops; --resume continues from the last committed "
+                                  "round")
+            return _call(*a, **kw)
+
+        setattr(grid, name, checked)
+    return grid
+
+
+def make_server_app(spec: dict | None = None, stop=None) -> ServerApp:
+    """`stop`: a threading.Event that ends the run at its next message exchange (simulation, Ctrl-C)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        serve(grid, spec if spec is not None else _spec_from_run_config(dict(context.run_config)))
+        serve(grid if stop is None else _stoppable(grid, stop),
+              spec if spec is not None else _spec_from_run_config(dict(context.run_config)))
 
     return app
 
@@ -97,6 +116,7 @@ def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dic
     """The run on Flower's simulation runtime (Ray), one virtual SuperNode per client; `cfg` is a CIDERS
     experiment or a bilevel one (`serve` tells them apart)."""
     import json
+    import threading
 
     from flwr.simulation import run_simulation as flwr_run_simulation
 
@@ -116,8 +136,13 @@ def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dic
             "clients_root": str((out / "flower-clients").resolve())}
     fc = cfg.flower
     backend = {"client_resources": {"num_cpus": fc.client_cpus, "num_gpus": fc.client_gpus}}
-    flwr_run_simulation(make_server_app(spec), make_client_app(spec), num_supernodes=cfg.federation.clients,
-                        backend_config=backend)
+    stop = threading.Event()
+    try:
+        flwr_run_simulation(make_server_app(spec, stop), make_client_app(spec), num_supernodes=cfg.federation.clients,
+                            backend_config=backend)
+    except KeyboardInterrupt:
+        stop.set()  # the ServerApp thread ends at its next exchange; the interpreter waits for it on exit
+        raise
     if not summary_path.is_file():
         raise CidersError(f"the Flower simulation ended without finishing the run (no {summary_path}); "
                           "see the log above; the same command with --resume continues it")
