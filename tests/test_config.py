@@ -4,6 +4,8 @@ from dataclasses import dataclass as dataclasses_dataclass
 from typing import Literal, Optional  # noqa: F401 - resolved in _Toy's string annotations
 from typing import get_args as typing_get_args
 
+import functools
+
 import pytest
 
 from ciders.config import (
@@ -150,8 +152,8 @@ def test_every_literal_key_rejects_a_bad_value_naming_key_value_and_choices():
         for c in choices:  # every declared choice passes (the cross-field rules aside)
             cfg = from_dict(ExperimentConfig, apply_overrides({}, [f"{key}=[{c}]" if is_tuple else f"{key}={c}"]))
             check_choices(cfg)
-            section, name = key.rsplit(".", 1)
-            assert getattr(getattr(cfg, section), name) == ((c,) if is_tuple else c)
+            got = functools.reduce(getattr, key.split("."), cfg)  # nested sections too (federation.dp.mode)
+            assert got == ((c,) if is_tuple else c)
         listed = re.escape(", ".join(choices))
         if is_tuple:
             with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: each entry must be one of {listed}, "

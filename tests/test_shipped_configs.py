@@ -6,6 +6,7 @@ import pytest
 
 from ciders import algorithms
 from ciders.config import load_config
+from ciders.errors import ConfigError
 from ciders.models.plan import make_plan
 from conftest import ROOT
 
@@ -21,7 +22,12 @@ def test_config_loads_and_every_method_resolves(path):
         cfg = load_config(path, cls=BilevelExperiment)
     else:
         cfg = load_config(path)
+        private = cfg.federation.secure_aggregation or cfg.federation.dp.enabled
         for m in algorithms.METHODS:
+            if private and not algorithms.configure(cfg.__class__(), m).algorithm.communicate:
+                with pytest.raises(ConfigError, match="uploads nothing"):  # LocalOT has nothing to protect
+                    algorithms.configure(cfg, m)
+                continue
             algorithms.configure(cfg, m).validate()
     assert cfg.name and path.read_text().startswith("#")  # a header says what it is and how to run it
 

@@ -78,6 +78,8 @@ SEED_STREAMS: frozenset[str] = frozenset({
     "client-sampling",      # federation.rundir.sample_clients: the clients of round t (key t)
     "client-batches",       # workloads.llm: a client's data order in round t, epoch e (keys t, ci, e)
     "client-dropout",       # workloads.llm: the dropout seed of client ci's micro-batch j in round t (keys t, ci, j)
+    "dp-central-noise",     # core.privacy.noise_generator, dp.noise seeded: the server's noise in round t (key t)
+    "dp-local-noise",       # core.privacy.noise_generator, dp.noise seeded: client ci's noise in round t (keys t, ci)
     "eval-split",           # workloads.evaluation: the seeded Dolly evaluation slice
     "synthetic-client",     # tests/synthetic.py: client ci's quadratic (key ci)
     "synthetic-batch",      # tests/synthetic.py: client ci's gradient noise in round t (keys t, ci)

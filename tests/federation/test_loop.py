@@ -139,6 +139,39 @@ def test_reconstruction_through_the_engine_equals_the_client_displacement(tmp_pa
     assert max_abs_diff(w, lincomb(xs)) < 1e-12
 
 
+def test_a_median_run_completes_and_records_its_aggregator(tmp_path, monkeypatch):
+    """algorithm.aggregator=median through the engine: 2 rounds commit, every server record names the aggregator
+    (a mean run's records have no such field), and c0002's huge round-1 upload, accepted with the bound off, does
+    not carry c or the messenger away."""
+    import torch
+
+    from ciders.federation import loop
+
+    def huge(upmsg, ref):
+        up = alg.decode_upload(upmsg, ref)
+        return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+                                            {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
+
+    monkeypatch.setattr(loop, "_nan_upload", huge)
+    cfg = vec_cfg("federation.per_round=null", "federation.rounds=2", "federation.max_step_ratio=null",
+                  "algorithm.aggregator=median")
+    out = tmp_path / "r"
+    s = run_vec(out, Faults(corrupt={(1, "c0002")}), cfg=cfg)
+    assert RunDir(out).committed() == 1 and s["client_rounds"] == 10
+    rows = read_jsonl(out / "metrics.jsonl")
+    server = {r["round"]: r for r in rows if r["event"] == "server"}
+    assert sorted(server) == [0, 1] and all(r["aggregator"] == "median" for r in server.values())
+    assert "c0002" in server[1]["accepted"] and len(server[1]["accepted"]) == 5
+    assert server[1]["delta_bar_norm"] < 1e3 and server[1]["c_norm"] < 1e3
+    assert any(r["event"] == "eval" and r["round"] == 1 for r in rows)
+    tensors, meta = RunDir(out).load_checkpoint(1)
+    w = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"])
+    assert float(w.messenger["x"].abs().max()) < 1e3
+    plain = vec_cfg("federation.rounds=1")
+    run_vec(tmp_path / "mean", cfg=plain)
+    assert all("aggregator" not in r for r in read_jsonl(tmp_path / "mean" / "metrics.jsonl"))
+
+
 def test_thousand_registered_clients_cost_disk_not_ram(tmp_path):
     cfg = load_config(None, ["federation.clients=1000", "federation.rounds=3", "federation.per_round=3",
                              "federation.store_cache=4", "federation.eval_clients=participants",

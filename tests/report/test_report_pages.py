@@ -361,3 +361,37 @@ def test_drop_ratio_of_an_older_sweep_comes_from_its_grid():
     assert _drop_ratio({"values": {"decomposition.drop_ratio": "0.5"}}) == 0.5
     assert _drop_ratio({"values": {"decomposition.beta": "0.75"}}) == pytest.approx(0.25)
     assert _drop_ratio({"drop_ratio": None, "values": {"decomposition.student_layers": "4"}}) is None
+
+
+# ---- privacy: epsilon per round, and quality against epsilon ------------------------------------------
+
+PRIVATE = SETS + ["algorithm.weighting=uniform", "federation.secure_aggregation=true", "federation.dp.mode=central",
+                  "federation.dp.clip=1.0"]
+
+
+def test_a_sweep_over_epsilon_plots_quality_against_the_privacy_spent(tmp_path):
+    """A sweep over federation.dp.target_epsilon under secure aggregation: the Table V figure gains the quality-
+    against-epsilon panel (the spent epsilon of each point on a log axis), the run page lists the privacy
+    settings and epsilon after every round, the communication table the secure-aggregation components; every
+    page also loads in Chromium."""
+    d = tmp_path / "eps"
+    run_sweep(load_config(None, PRIVATE), [("federation.dp.target_epsilon", ["4", "16"])], ["ciders-fo"], [0], d,
+              metrics=("nll", "dp_epsilon"), make_task=lambda c, o: PplTask(c), log=lambda s: None, progress=False)
+    info = json.loads((d / "sweep.json").read_text())
+    spent = [r["aggregate"]["ciders-fo"]["dp_epsilon"]["mean"] for r in info["rows"]]
+    assert 0.99 * 4 <= spent[0] <= 4 and 0.99 * 16 <= spent[1] <= 16
+    panels = {p.title: p for p in __import__("ciders.report.html", fromlist=["x"]).tradeoff_panels(info)}
+    eps_panel = next(p for t, p in panels.items() if "against DP epsilon" in t)
+    assert eps_panel.logx and sorted(x for x, *_ in eps_panel.points()) == pytest.approx(spent)
+    page, index = report(d, tmp_path / "eps-rep")
+    assert "tradeoff" in figs(index)
+    run = d / "federation.dp.target_epsilon=4" / "ciders-fo" / "seed0"
+    rpage, rindex = report(run, tmp_path / "eps-run")
+    privacy = [t for t in rpage.tables if t["section"] == "Privacy"]
+    assert [r[0]["text"] for r in privacy[0]["rows"]][:2] == ["secure aggregation", "differential privacy"]
+    assert [r[0]["text"] for r in privacy[1]["rows"]] == ["1", "2", "3"]
+    assert float(privacy[1]["rows"][-1][1]["text"]) == pytest.approx(spent[0], rel=1e-3)
+    comm = rpage.table("Communication")
+    assert any("masked" in c["text"] for c in comm["head"]) and not any(c["text"] == "up: dc" for c in comm["head"])
+    for p, i in ((page, index), (rpage, rindex)):
+        in_chromium(i, tmp_path, p)

@@ -17,8 +17,11 @@ METHODS = names("ciders")  # the CIDERS-family methods (`ciders compare --algori
 
 
 def configure(cfg, method: str | None = None):
-    """The effective config of `method` (default: the config's own, `cfg.algorithm.method`). Idempotent."""
-    return get(method or cfg.algorithm.method, "ciders").configure(cfg)
+    """The effective config of `method` (default: the config's own, `cfg.algorithm.method`). Idempotent. The
+    privacy checks run again on it: a method's own knobs (LocalOT uploads nothing) may rule out a setting."""
+    out = get(method or cfg.algorithm.method, "ciders").configure(cfg)
+    out.check_privacy()
+    return out
 
 
 def changes(before, after, prefix: str = "") -> list[str]:

@@ -65,6 +65,7 @@ class Broadcast:
     resync: State | None = None  # the server's copy of c_i, sent only after a mismatch
     applied: tuple[int, str] | None = None  # (round, digest of dc_i) of the upload that made `version`
     c_i_digest: str | None = None  # digest of the server's copy of c_i (None: not checked)
+    secure: bool = False  # secure aggregation: the server holds no copy of c_i (`reconcile_secure`)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,19 @@ class Upload:
     dc: State | None = None  # Eq. 10; None for a resync request
     resync_request: bool = False
     personalized: State | None = None  # x_K, only with upload_personalized_messenger
+    delta: State | None = None  # Delta_i as it entered Eq. 9 (clipped / noised under DP); never encoded:
+    #                             secure aggregation masks w_i * delta instead of sending dc_i
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """What client-level DP asks of one round's update rules (built from federation.dp by the round code;
+    docs/privacy.md#differential-privacy). The default asks nothing: the plain run, bit for bit."""
+
+    clip: float | None = None  # C: Delta_i is scaled to norm <= C before Eq. 9
+    local_std: float = 0.0  # client: N(0, local_std^2) added to its clipped Delta_i (local mode, z C)
+    central_sigma: float = 0.0  # server: N(0, (central_sigma / m)^2) added to the mean of m updates (z C)
+    seed: int | None = None  # the noise generator's seed (None: the operating system's random source)
 
 
 @dataclass(frozen=True)
@@ -141,9 +155,13 @@ def round_schedule(cfg: CidersConfig, t: int, total_rounds: int) -> tuple[tuple[
     return lrs, eta_ins, gamma_at(t, cfg.gamma_schedule, cfg.gamma)
 
 
-def make_broadcast(cfg: CidersConfig, state: ServerState, copy: ServerCopy) -> Broadcast:
+def make_broadcast(cfg: CidersConfig, state: ServerState, copy: ServerCopy, secure: bool = False) -> Broadcast:
+    """Client i's broadcast; `secure`: the server keeps only the version of c_i (`reconcile_secure`)."""
     lrs, eta_ins, gamma = round_schedule(cfg, state.round, state.total_rounds)
     c = state.c if cfg.uses_consensus() else None  # not sent when no client can use it
+    if secure:
+        return Broadcast(state.round, state.messenger, c, gamma, lrs, eta_ins, copy.version, applied=copy.applied,
+                         secure=True)
     return Broadcast(state.round, state.messenger, c, gamma, lrs, eta_ins, copy.version,
                      resync=copy.c_i if copy.needs_resync else None, applied=copy.applied,
                      c_i_digest=digest(copy.c_i))
@@ -152,10 +170,25 @@ def make_broadcast(cfg: CidersConfig, state: ServerState, copy: ServerCopy) -> B
 # ------------------------------------------------------------------------------------------ client
 
 
+SECAGG_ACK = "secagg"  # `applied` of a secure round: the server saw only the sum, so it names no digest
+
+
+def reconcile_secure(state: ClientState, b: Broadcast) -> ClientState:
+    """Secure aggregation keeps c_i on the client alone (the server never reconstructs Delta_i, so no copy
+    must match): the pending increment is committed iff the server says the upload of its round entered the
+    sum, and the client takes the server's version number."""
+    p = state.pending
+    if p is not None and b.applied == (p.round, SECAGG_ACK) and b.version == state.version + 1:
+        return replace(state, c_i=_commit(state.c_i, p.dc), version=b.version, pending=None)
+    return replace(state, version=b.version, pending=None)
+
+
 def reconcile(state: ClientState, b: Broadcast) -> ClientState | None:
     """Bring the client's committed c_i to the server's version, or None if only a resync can: the
     pending increment is committed only if the server acknowledges exactly it (its round and digest),
     and whatever the client ends with must match the digest of the server's copy."""
+    if b.secure:
+        return reconcile_secure(state, b)
     if b.resync is not None:
         return replace(state, c_i=clone(b.resync), version=b.version, pending=None)
     p, st = state.pending, None
@@ -182,8 +215,10 @@ def grad_of(loss_fn: LossFn, params: State, batch: Any) -> tuple[torch.Tensor, S
 
 
 def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: LossFn,
-                  batches: Sequence[Any]) -> tuple[Upload, ClientState, dict]:
-    """K consensus-corrected meta-gradient steps (Eq. 4) on `batches` (K * grad_accum of them)."""
+                  batches: Sequence[Any], priv: Privacy = Privacy()) -> tuple[Upload, ClientState, dict]:
+    """K consensus-corrected meta-gradient steps (Eq. 4) on `batches` (K * grad_accum of them). Under DP
+    (`priv`), Delta_i is clipped (and, in local mode, noised) before Eq. 9, so the uploaded dc_i, the client's
+    c_i and the server's copy all follow the privatized Delta_i."""
     st = reconcile(state, b)
     if st is None:  # versions disagree in a way no pending increment explains
         up = Upload(state.client_id, b.round, state.version, resync_request=True)
@@ -213,20 +248,34 @@ def client_update(cfg: CidersConfig, b: Broadcast, state: ClientState, loss_fn: 
         delta = {n: v / sum(b.lrs) for n, v in sums.fed.items()}
     else:
         delta = cs.displacement(w, x, k_steps, eta_bar)  # Eq. 8
+    delta, raw_norm = privatize(delta, priv)
     c_i_new = cs.client_consensus(c_i, delta, c, cfg.alpha, gamma)  # Eq. 9
     dc = cs.increment(c_i_new, c_i)  # Eq. 10
     new_state = replace(st, pending=Pending(dc, st.version, b.round), personalized=x)
     up = Upload(st.client_id, b.round, st.version, dc=dc,
-                personalized=x if cfg.upload_personalized_messenger else None)
+                personalized=x if cfg.upload_personalized_messenger else None, delta=delta)
     summary = {"client": st.client_id, "round": b.round, "gamma": gamma, "eta_bar": eta_bar,
                "loss": sum(s["loss"] for s in steps) / k_steps, "c_norm": norm(c), "c_i_norm": norm(c_i),
                "dc_norm": norm(dc), "delta_norm": norm(delta), "corr_norm": norm(corr),
                "g_mean_norm": norm(sums.mean("g", k_steps)), "step_mean_norm": norm(sums.mean("u", k_steps)),
                **stats.result()}
+    if priv.clip is not None:
+        summary["clipped"] = raw_norm > priv.clip
     if cfg.metagrad == "fd":
         classes = [fd_class(s["r_fd"]) for s in steps]
         summary.update({f"r_fd_{k}": classes.count(k) for k in ("small", "moderate", "large")})
     return up, new_state, {**summary, "steps": steps}
+
+
+def privatize(delta: State, priv: Privacy) -> tuple[State, float]:
+    """(Delta_i clipped to norm priv.clip and, in local mode, plus N(0, local_std^2); its norm before). With no
+    clipping and no noise, `delta` itself (the plain run's tensors, bit for bit)."""
+    from ciders.core import privacy as dp
+
+    out, raw = dp.clip_to_norm(delta, priv.clip)
+    if priv.local_std > 0:
+        out = dp.add_noise(out, priv.local_std, dp.noise_generator(priv.seed, "cpu"))
+    return out, raw
 
 
 class _Sums:
@@ -324,8 +373,8 @@ def check_upload(up: Upload, state: ServerState, copy: ServerCopy) -> str | None
 
 
 def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Upload],
-                  copies: dict[str, ServerCopy], sizes: Mapping[str, int], max_step_ratio: float | None = None
-                  ) -> tuple[ServerState, dict[str, ServerCopy], dict]:
+                  copies: dict[str, ServerCopy], sizes: Mapping[str, int], max_step_ratio: float | None = None,
+                  priv: Privacy = Privacy()) -> tuple[ServerState, dict[str, ServerCopy], dict]:
     """Eq. 11 per accepted upload, then Eq. 12 (or SCAFFOLD's rule for c over the N = len(sizes)
     registered clients). `copies` holds the server's ServerCopy of every client with an upload (the
     engine loads them from its store); returns the updated ones. `sizes` are the registered |D_i| (the
@@ -333,7 +382,10 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     fails `core.aggregate.step_check` is rejected; if the aggregate is not finite, the whole round is
     rejected: messenger, c and every copy stay as they were (the clients drop their pending increments).
     With algorithm.server_optimizer set, Eq. 12's messenger step goes through that optimizer (`_server_step`); its
-    state advances only in a round whose aggregate is applied."""
+    state advances only in a round whose aggregate is applied. algorithm.aggregator median / trimmed_mean puts
+    that unweighted robust centre of the Delta_i in place of sum_i p_i Delta_i, for the messenger and for c
+    (`_aggregate`); Eq. 11 and the copies of c_i do not change. Central DP (`priv.central_sigma`) adds
+    N(0, (sigma / m)^2) to the mean of the m accepted updates (`central_noise`)."""
     lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
     eta_bar = sum(lrs) / cfg.local_steps
     new_copies = dict(copies)
@@ -357,17 +409,16 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
         accepted.append((up, delta))
     metrics = {"round": state.round, "gamma": gamma, "accepted": [u.client_id for u, _ in accepted],
                "rejected": rejected}
+    if cfg.aggregator != "mean":  # recorded only when set, so a mean run's records stay as they were
+        metrics["aggregator"] = cfg.aggregator
     if not accepted:
         return replace(state, round=state.round + 1), new_copies, {**metrics, "delta_bar_norm": 0.0,
                                                                     "c_norm": norm(state.c)}
     ids = [u.client_id for u, _ in accepted]
     p = agg.client_weights([sizes[i] for i in ids], uniform=cfg.weighting == "uniform")
-    delta_bar = agg.weighted_sum([d for _, d in accepted], p)  # sum_i p_i Delta_i
-    messenger, opt = _server_step(cfg, state, delta_bar, eta_bar)  # Eq. 12 (then the server optimizer, if any)
-    if cfg.consensus_update == "scaffold":
-        c = cs.scaffold_consensus(state.c, [u.dc for u, _ in accepted], len(sizes))
-    else:
-        c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
+    delta_bar = _aggregate(cfg, [d for _, d in accepted], p)  # sum_i p_i Delta_i, or a robust centre
+    delta_bar = central_noise(delta_bar, priv, len(accepted))
+    messenger, c, opt = _apply(cfg, state, delta_bar, eta_bar, [u.dc for u, _ in accepted], len(sizes))
     opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
     if not agg.all_finite(messenger, c, *opt_tensors, *(new_copies[i].c_i for i in ids)):
         why = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
@@ -376,6 +427,78 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
         return replace(state, round=state.round + 1), {**new_copies, **kept}, {**metrics, "delta_bar_norm": 0.0,
                                                                                "c_norm": norm(state.c)}
     metrics.update({"p": dict(zip(ids, p)), "delta_bar_norm": norm(delta_bar), "c_norm": norm(c)})
+    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt), new_copies, metrics
+
+
+def _aggregate(cfg: CidersConfig, deltas: Sequence[State], p: Sequence[float]) -> State:
+    """Delta-bar of Eq. 12 from the accepted Delta_i: mean = sum_i p_i Delta_i (weighted); median and
+    trimmed_mean are per coordinate and unweighted (`core.aggregate.coordinate_median` / `trimmed_mean`,
+    docs/method.md#robust-aggregation)."""
+    if cfg.aggregator == "median":
+        return agg.coordinate_median(deltas)
+    if cfg.aggregator == "trimmed_mean":
+        return agg.trimmed_mean(deltas, cfg.trim_fraction)
+    return agg.weighted_sum(deltas, p)
+
+
+def central_noise(delta_bar: State, priv: Privacy, m: int) -> State:
+    """Central DP: Delta-bar + N(0, (sigma / m)^2) for the uniform mean of m clipped updates (the sum's noise
+    is N(0, sigma^2) with sigma = z C); `delta_bar` itself without noise."""
+    if priv.central_sigma <= 0:
+        return delta_bar
+    from ciders.core import privacy as dp
+
+    return dp.add_noise(delta_bar, priv.central_sigma / m, dp.noise_generator(priv.seed, "cpu"))
+
+
+def _apply(cfg: CidersConfig, state: ServerState, delta_bar: State, eta_bar: float, dcs: Sequence[State],
+           n_registered: int) -> tuple[State, State, so.ServerOptState | None]:
+    """Eq. 12 from Delta-bar: the new messenger (through the server optimizer, if any) and c (or SCAFFOLD's
+    c + (1/N) sum_i dc_i over the N registered clients)."""
+    messenger, opt = _server_step(cfg, state, delta_bar, eta_bar)  # Eq. 12 (then the server optimizer, if any)
+    if cfg.consensus_update == "scaffold":
+        c = cs.scaffold_consensus(state.c, dcs, n_registered)
+    else:
+        c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
+    return messenger, c, opt
+
+
+def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State | None, weight_sum: float,
+                         included: Sequence[str], copies: dict[str, ServerCopy], n_registered: int,
+                         dc_sum: State | None = None, max_step_ratio: float | None = None, priv: Privacy = Privacy(),
+                         why_not: str | None = None) -> tuple[ServerState, dict[str, ServerCopy], dict]:
+    """Eq. 12 from what secure aggregation gives the server: delta_sum = sum_{i in U} w_i Delta_i over the
+    clients U whose masked uploads entered the sum (w_i the weights the server sent), weight_sum = sum_{i in U}
+    w_i, so Delta-bar = delta_sum / weight_sum = sum_i p_i Delta_i with p_i = w_i / sum_U w_j, as in
+    `server_update`; dc_sum = sum_U dc_i for SCAFFOLD's rule. No Delta_i is seen, so no per-client check runs:
+    the implied step K eta_bar Delta-bar must pass `core.aggregate.step_check` (a convex combination of steps
+    that all pass does) and be finite, else the round is rejected and the state stays. `copies` holds each
+    client's version only (no c_i); an included client's version moves and names the round (`SECAGG_ACK`).
+    `why_not`: the sum could not be formed (too few clients, a secret not rebuilt): no update."""
+    lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
+    eta_bar = sum(lrs) / cfg.local_steps
+    metrics = {"round": state.round, "gamma": gamma, "secure": True}
+    skip = replace(state, round=state.round + 1)
+    if why_not is None and (not included or delta_sum is None):
+        why_not = "no masked upload entered the sum"
+    if why_not is None:
+        delta_bar = central_noise({k: v / weight_sum for k, v in delta_sum.items()}, priv, len(included))
+        why_not = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta_bar.items()}, state.messenger,
+                                 max_step_ratio)
+    if why_not is None:
+        messenger, c, opt = _apply(cfg, state, delta_bar, eta_bar, [] if dc_sum is None else [dc_sum], n_registered)
+        opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
+        if not agg.all_finite(messenger, c, *opt_tensors):
+            why_not = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
+    if why_not is not None:
+        return skip, dict(copies), {**metrics, "accepted": [], "rejected": {"sum": why_not}, "delta_bar_norm": 0.0,
+                                    "c_norm": norm(state.c)}
+    new_copies = dict(copies)
+    for cid in included:
+        cp = copies[cid]
+        new_copies[cid] = ServerCopy(cp.c_i, cp.version + 1, needs_resync=False, applied=(state.round, SECAGG_ACK))
+    metrics.update({"accepted": sorted(included), "rejected": {}, "delta_bar_norm": norm(delta_bar),
+                    "c_norm": norm(c)})
     return ServerState(state.round + 1, state.total_rounds, messenger, c, opt), new_copies, metrics
 
 
@@ -469,7 +592,8 @@ def encode_broadcast(b: Broadcast, extra: dict | None = None) -> tuple[bytes, di
     from ciders.core.wire import encode
 
     meta = {"round": b.round, "gamma": b.gamma, "lrs": list(b.lrs), "eta_ins": list(b.eta_ins), "version": b.version,
-            "applied": None if b.applied is None else list(b.applied), "c_i_digest": b.c_i_digest or ""}
+            "applied": None if b.applied is None else list(b.applied), "c_i_digest": b.c_i_digest or "",
+            **({"secure": True} if b.secure else {})}
     return encode({"messenger": b.messenger, "c": b.c, "resync": b.resync, **(extra or {})}, meta)
 
 
@@ -487,9 +611,12 @@ def decode_broadcast(msg: bytes, messenger_ref: State, extra_ref: dict | None = 
         raise PayloadError(f"broadcast: metadata 'applied' must be null or [round, digest], got {str(applied)[:60]}")
     if "messenger" not in comps or len(f["lrs"]) != len(f["eta_ins"]) or not f["lrs"]:
         raise PayloadError("broadcast: no messenger, or the learning-rate schedules are empty or differ in length")
+    secure = meta.get("secure", False)
+    if not isinstance(secure, bool):
+        raise PayloadError(f"broadcast: metadata 'secure' must be a bool, got {str(secure)[:40]}")
     b = Broadcast(f["round"], comps["messenger"], comps.get("c"), float(f["gamma"]), tuple(map(float, f["lrs"])),
                   tuple(map(float, f["eta_ins"])), f["version"], comps.get("resync"),
-                  None if applied is None else (applied[0], applied[1]), f["c_i_digest"] or None)
+                  None if applied is None else (applied[0], applied[1]), f["c_i_digest"] or None, secure)
     return b, {k: v for k, v in comps.items() if k not in ("messenger", "c", "resync")}
 
 

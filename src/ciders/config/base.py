@@ -19,18 +19,9 @@ from typing import Any, Literal
 
 import yaml
 
+from ciders.config.fields import opt, section  # noqa: F401 - re-exported: every section module uses them
+from ciders.config.privacy import DPConfig, SecAggConfig
 from ciders.errors import ConfigError
-
-
-def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse's `help`
-    """A config field with its help text (shown by `ciders config --keys`)."""
-    if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
-
-
-def section(default_factory: Any, help: str) -> Any:  # noqa: A002
-    return field(default_factory=default_factory, metadata={"help": help})
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -237,6 +228,12 @@ class CidersConfig:
     server_beta2: float = opt(0.99, "fedadam / fedyogi second-moment decay in [0, 1) (Flower 0.99)")
     server_tau: float = opt(
         1e-3, "fedadam / fedyogi adaptivity eps > 0 added to sqrt(v) (Reddi et al.'s tau; Flower 1e-3)")
+    aggregator: Literal["mean", "median", "trimmed_mean"] = opt(
+        "mean", "how the round's reconstructed Delta_i become the Delta-bar of Eq. 12: mean = sum_i p_i Delta_i; median "
+        "= coordinate-wise median; trimmed_mean = coordinate-wise mean after cutting trim_fraction of the clients "
+        "from each end (both unweighted, as Flower's FedMedian / FedTrimmedAvg; docs/method.md#robust-aggregation)")
+    trim_fraction: float = opt(0.2, "trimmed_mean: the fraction of clients cut from each end, in [0, 0.5) "
+                                    "(Flower's beta, default 0.2)")
 
     def validate(self) -> None:
         w = "algorithm"
@@ -266,6 +263,9 @@ class CidersConfig:
             raise ConfigError(f"{w}.eps_fd: must be > 0, got {self.eps_fd}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"{w}.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"{w}.trim_fraction: must be in [0, 0.5) (the fraction cut from each end), "
+                              f"got {self.trim_fraction}")
 
     def _check_server_optimizer(self, w: str) -> None:
         if self.server_lr is not None and self.server_lr <= 0:
@@ -407,6 +407,12 @@ class FederationConfig:
     max_step_ratio: float | None = opt(
         10.0, "reject an upload whose implied local step ||w - x_K|| (Eq. 11 x K eta_bar) exceeds this multiple "
         "of max(||w||, 1) (docs/security.md#aggregation); null = accept any finite step")
+    secure_aggregation: bool = opt(
+        False, "the server learns only the sum of the round's updates, never one client's (SecAgg+ with Flower's "
+        "key agreement, Shamir sharing and encryption; docs/privacy.md#secure-aggregation)")
+    secagg: SecAggConfig = section(SecAggConfig, "secure aggregation's parameters (read when secure_aggregation is true)")
+    dp: DPConfig = section(DPConfig, "client-level differential privacy: clipping, noise and the accountant "
+                                     "(docs/privacy.md#differential-privacy)")
 
     def validate(self) -> None:
         check_choices(self, "federation")
@@ -425,6 +431,10 @@ class FederationConfig:
             raise ConfigError(f"federation.dirichlet_alpha: must be > 0, got {self.dirichlet_alpha}")
         if self.max_step_ratio is not None and not self.max_step_ratio > 0:
             raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
+        self.secagg.validate()
+        self.dp.validate()
+        if self.secure_aggregation:
+            self.secagg.check_round_size(self.per_round or self.clients)
 
 
 def _finite(key: str, value: float) -> float:
@@ -528,7 +538,36 @@ class ExperimentConfig:
                               f"({fed.clients}), got {len(data.client_files)}")
         if data.task == "custom" and fed.partition in ("iid", "natural", "dirichlet") and not data.clients:
             raise ConfigError(f"federation.partition={fed.partition} needs data.clients (a data file to split)")
+        self.check_privacy()
         return self
+
+    def check_privacy(self) -> None:
+        """The checks between secure aggregation, DP and the algorithm (docs/privacy.md)."""
+        fed, alg = self.federation, self.algorithm
+        if fed.secure_aggregation:
+            why = "secure aggregation hides every single update from the server"
+            if alg.upload_personalized_messenger:
+                raise ConfigError(f"federation.secure_aggregation: {why}, and algorithm.upload_personalized_messenger "
+                                  "would send each client's messenger in the clear; set it to false")
+            if alg.aggregator != "mean":
+                raise ConfigError(f"federation.secure_aggregation: {why}, so a robust aggregator (algorithm.aggregator"
+                                  f"={alg.aggregator}) has nothing to sort; use algorithm.aggregator=mean")
+            if not alg.communicate:
+                raise ConfigError("federation.secure_aggregation: this method uploads nothing (algorithm.communicate "
+                                  "is false); drop secure_aggregation")
+        if fed.dp.enabled:
+            if fed.dp.mode == "central" and alg.weighting != "uniform":
+                raise ConfigError("federation.dp.mode=central: the noise is calibrated to one client's share of a "
+                                  "uniform mean (p_i = 1/m); set algorithm.weighting=uniform")
+            if alg.aggregator != "mean":
+                raise ConfigError(f"federation.dp: the accountant assumes the mean of clipped updates; "
+                                  f"algorithm.aggregator={alg.aggregator} changes one client's influence; use mean")
+            if not alg.communicate:
+                raise ConfigError("federation.dp: this method uploads nothing (algorithm.communicate is false); "
+                                  "drop federation.dp")
+            if fed.dp.mode == "local" and alg.upload_personalized_messenger:
+                raise ConfigError("federation.dp.mode=local: algorithm.upload_personalized_messenger would send each "
+                                  "client's messenger without noise; set it to false")
 
 
 # --------------------------------------------------------------------------------------------- machinery

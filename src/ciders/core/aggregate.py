@@ -14,6 +14,16 @@ holds coordinate k of the state when its mask m_i^k = 1; with the covering count
   s^k   <- s^k - lr mean^k                  (C^k = 0: s^k unchanged) (`masked_step`)
   C*     = min_{k : C^k > 0} C^k                                   (`covering`: the round's covering number)
 
+Robust aggregates (docs/method.md#robust-aggregation), unweighted and per coordinate k, as Flower's
+FedMedian / FedTrimmedAvg (`aggregate_median`, `aggregate_trimmed_avg`): with v_(1)^k <= ... <= v_(n)^k the n
+clients' values of coordinate k sorted,
+
+  median^k  = v_((n+1)/2)^k                                n odd   (`coordinate_median`)
+            = (v_(n/2)^k + v_(n/2+1)^k) / 2                 n even  (the mean of the two middle values)
+  trimmed^k = (1 / (n - 2 b)) sum_{j=b+1}^{n-b} v_(j)^k,   b = int(beta n), beta in [0, 0.5)  (`trimmed_mean`)
+
+b < n/2 for every beta < 0.5, so at least one value is always kept; beta = 0 is the plain unweighted mean.
+
 Robustness (docs/security.md#aggregation): `step_check` bounds what one client may move the state by in one
 round, ||step_i|| <= ratio * max(||state||, 1), and `all_finite` is checked on an aggregate before it is
 committed (finite but huge values can still sum to Inf).
@@ -106,6 +116,57 @@ def weighted_mean(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequenc
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     return weighted_sum(states, p, like=like, accumulate=accumulate, what=what)
+
+
+def _sorted_clients(states: Sequence[Mapping[str, torch.Tensor]], k: str) -> torch.Tensor:
+    """The clients' values of `k` stacked on a new leading axis in float64, sorted along it per coordinate."""
+    return torch.stack([s[k].detach().to(torch.float64) for s in states]).sort(dim=0).values
+
+
+def _robust_check(states: Sequence[Mapping[str, torch.Tensor]], what: str) -> Mapping[str, torch.Tensor]:
+    if len(states) == 0:
+        raise ValueError(f"{what}: no client states to aggregate")
+    _check(states, states[0], what)
+    return states[0]
+
+
+def coordinate_median(states: Sequence[Mapping[str, torch.Tensor]], *, what: str = "coordinate_median") -> State:
+    """The coordinate-wise median over the clients, unweighted: the middle value for an odd count, the mean
+    of the two middle values for an even one (numpy's `np.median`, which Flower's FedMedian uses; not
+    torch.median, which returns the lower of the two). Computed in float64 and cast back to the first
+    state's dtype per key, in its key order. The values should be finite (the server checks every Delta_i
+    first): a NaN sorts last and does not propagate as it does in numpy. Detached."""
+    ref = _robust_check(states, what)
+    n = len(states)
+    out: State = {}
+    for k, r in ref.items():
+        v = _sorted_clients(states, k)
+        mid = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+        out[k] = mid.to(r.dtype)
+    return out
+
+
+def trimmed_mean(states: Sequence[Mapping[str, torch.Tensor]], fraction: float, *,
+                 what: str = "trimmed_mean") -> State:
+    """The coordinate-wise trimmed mean over the n clients, unweighted: per coordinate, the b = int(fraction *
+    n) smallest and the b largest values are cut and the n - 2 b left are averaged (Flower's FedTrimmedAvg
+    `trim_mean`, after scipy.stats.trim_mean). fraction must be in [0, 0.5), so b < n / 2 and at least one
+    value is always kept; fraction 0, or b = 0 for a small n, is the plain unweighted mean. Summed in
+    float64 over the kept values in sorted order (the same on every device) and cast back to the first
+    state's dtype per key, in its key order. Detached."""
+    if not 0.0 <= fraction < 0.5:
+        raise ValueError(f"{what}: the fraction cut from each end must be in [0, 0.5), got {fraction}")
+    ref = _robust_check(states, what)
+    n = len(states)
+    b = int(fraction * n)
+    out: State = {}
+    for k, r in ref.items():
+        v = _sorted_clients(states, k)
+        acc = v[b].clone()
+        for j in range(b + 1, n - b):
+            acc += v[j]
+        out[k] = (acc / (n - 2 * b)).to(r.dtype)
+    return out
 
 
 def masked_mean(values: Sequence[State], masks: Sequence[State]) -> tuple[State, State]:

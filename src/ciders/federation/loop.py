@@ -117,21 +117,27 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
 
 
 def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> dict:
-    from ciders.federation.rounds import Coordinator, client_report, client_round
+    from ciders.federation.rounds import Coordinator, client_phase, client_report
+    from ciders.federation.secure import Sessions
+    from ciders.federation.secure_rounds import SecureCoordinator
 
     if exchange is None and cfg.federation.partition == "nodes":
         raise ConfigError("federation.partition=nodes: the clients' data lives on their SuperNodes (data-file); run "
                           "it on a Flower deployment (`ciders flower launch` / `loopback`), not in-process")
-    co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
+    kind = SecureCoordinator if cfg.federation.secure_aggregation else Coordinator
+    co = kind(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
     cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()
     bars = _RoundBars(progress, fed.rounds, cfg.algorithm.method)
     if exchange is None:
+        sessions = Sessions(Path(out) / "clients-secagg")  # the in-process clients' own protocol secrets
+
         def client(phase: str, cid: str, msg: bytes) -> tuple[bytes, dict]:
             if phase == "report":
                 return client_report(co.clients_store, cid), {}
             # the in-process client's references: the server's own tensors
-            return client_round(cfg, task, co.clients_store, cid, msg, dict(co.round.down_extra))
+            return client_phase(phase, cfg, task, co.clients_store, cid, msg, dict(co.round.down_extra),
+                                sessions=sessions)
 
         exchange = InProcess(client, faults, corrupt=lambda up: _nan_upload(up, co.ref), on_reply=bars.reply)
 

@@ -25,14 +25,28 @@ CIDERS = {"client": "str", "round": "count", "resync_request": "bool", "gamma": 
           "loss": "number", "c_norm": "number", "c_i_norm": "number", "dc_norm": "number", "delta_norm": "number",
           "corr_norm": "number", "g_mean_norm": "number", "step_mean_norm": "number",
           "e_rae": "number", "s_dr": "number", "s_ppr": "number", "r_fd_small": "count", "r_fd_moderate": "count",
-          "r_fd_large": "count", "steps": _STEP,
+          "r_fd_large": "count", "steps": _STEP, "clipped": "bool",
           # an edge client's own resources (Flower): its process's peak resident memory, its state's bytes on disk
           "peak_rss_mib": "number", "disk_mib": "number",
           # and its timings: in client_round, in the whole message handler, from its process's start; warm worker
           "compute_s": "number", "handle_s": "number", "startup_s": "number", "warm": "bool"}
+# What a client sends under secure aggregation or local DP: its loss, schedule and resources, nothing computed
+# from its update (no norms, no readouts of Delta_i or c_i; docs/privacy.md#what-the-server-sees).
+_PRIVATE_STEP = {"step": "count", "loss": "number", "lr": "number"}
+CIDERS_PRIVATE = {"client": "str", "round": "count", "gamma": "number", "eta_bar": "number", "loss": "number",
+                  "steps": _PRIVATE_STEP, "peak_rss_mib": "number", "disk_mib": "number", "compute_s": "number",
+                  "handle_s": "number", "startup_s": "number", "warm": "bool"}
 BILEVEL = {"calls": "count", "seconds": "number", "inner_loss": "number", "outer_loss": "number",
            "solver_iters": "count", "solver_residual": "number", "solver_breakdown": "bool", "loss": "number",
            "support_loss": "number", "train_accuracy": "number", "steps": "count"}
+
+
+def private(rec: dict) -> dict:
+    """A client's own record cut down to CIDERS_PRIVATE (what it sends in a private mode)."""
+    out = {k: v for k, v in rec.items() if k in CIDERS_PRIVATE and k != "steps"}
+    if "steps" in rec:
+        out["steps"] = [{k: v for k, v in s.items() if k in _PRIVATE_STEP} for s in rec["steps"]]
+    return out
 
 
 def parse(text: str) -> dict:

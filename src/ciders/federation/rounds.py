@@ -33,7 +33,7 @@ from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
 from ciders.core.wire import PayloadError
-from ciders.federation import console, records
+from ciders.federation import console, dp, records
 from ciders.federation.exchange import Reply
 from ciders.federation.rundir import MIB, RunDir, sample_clients, start_run, summarize
 from ciders.federation.sinks import open_sinks
@@ -68,6 +68,11 @@ class InFlight:
     changed: tuple[str, ...] = ()  # clients whose server copy this round rewrote
     records: tuple[dict, ...] = ()  # server, takd and round records, in order
     personalized: dict = field(default_factory=dict)  # client -> messenger (evaluation rounds)
+    secure: Any = None  # federation.secure.SecureRound of a secure-aggregation round
+    secure_rejected: dict = field(default_factory=dict)  # what its earlier phases refused, with why
+    bytes_up: dict = field(default_factory=dict)  # component -> bytes of the secure phases' replies
+    up_len: dict = field(default_factory=dict)  # client -> bytes of its secure phases' replies
+    secure_records: dict = field(default_factory=dict)  # client -> its record, written once the round unmasks
 
 
 @dataclass(frozen=True)
@@ -86,18 +91,18 @@ class Checked:
 
 
 def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, down_extra: dict,
-                      static: set) -> tuple[bytes, dict, bool]:
+                      static: set, secure: bool = False) -> tuple[bytes, dict, bool]:
     """Client `cid`'s message (its own consensus version, and a resync copy if needed; the static
     components only at first contact) -> (bytes, bytes per component, counted). Without communication
     only the first download happens, so only it is counted."""
-    b = alg.make_broadcast(acfg, state.server, copy)
+    b = alg.make_broadcast(acfg, state.server, copy, secure=secure)
     first = cid not in state.contacted
     mine = down_extra if first else {k: v for k, v in down_extra.items() if k not in static}
     msg, sizes = alg.encode_broadcast(b, mine)
     return msg, sizes, acfg.communicate or first
 
 
-def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply]) -> Checked:
+def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply], schema=records.CIDERS) -> Checked:
     """Decode and check everything that arrived in a train phase: this round's replies (in sampling order),
     uploads delayed from earlier rounds (kind "late", first) and duplicated deliveries (kind "copy", last).
     A client error, a reply the transport could not accept, a metrics record that does not fit its schema
@@ -117,7 +122,7 @@ def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply
             rejected[str(r.client_id)[:64]] = f"reply from a client not sampled in round {t}"
         elif r.kind == "reply":
             try:
-                checked_recs[j] = records.check(r.record, records.CIDERS)
+                checked_recs[j] = records.check(r.record, schema)
             except PayloadError as exc:
                 rejected[r.client_id] = str(exc)
     ok = [r for j, r in enumerate(replies) if r.error is None and r.rejected is None
@@ -256,7 +261,8 @@ class Coordinator:
         return self.round
 
     def phases(self, t: int) -> tuple[str, ...]:
-        return ("train", "report") if self.eval_due(t) else ("train",)
+        # in a private mode the personalized messengers stay on the clients (docs/privacy.md)
+        return ("train", "report") if self.eval_due(t) and not dp.private_records(self.cfg) else ("train",)
 
     def messages(self, phase: str, t: int) -> dict[str, bytes]:
         if phase == "report":
@@ -291,7 +297,8 @@ class Coordinator:
         if missing and self.clients_store is None:
             self.log(f"round {t}: no reply from {', '.join(missing)} within the round")
         with timing.phase("aggregation"):
-            checked = check_uploads(acfg, self.ref, self.sizes, rnd, replies)
+            checked = check_uploads(acfg, self.ref, self.sizes, rnd, replies,
+                                    records.CIDERS_PRIVATE if dp.private_records(self.cfg) else records.CIDERS)
         for rec in checked.client_records:
             self._record(rec)
         # a client that failed gets its first-contact components again; one that replied is contacted
@@ -300,7 +307,7 @@ class Coordinator:
         copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
         with timing.phase("aggregation"):
             server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies, self.sizes,
-                                                       self.cfg.federation.max_step_ratio)
+                                                       self.cfg.federation.max_step_ratio, dp.server_privacy(self.cfg, t))
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
                 self.server_store.put(cid, t, *alg.copy_record(cp))
@@ -308,11 +315,17 @@ class Coordinator:
             sm["rejected"] = {**sm["rejected"], **checked.rejected}
             for who, why in checked.rejected.items():
                 self.log(f"round {t}: rejected upload from {who}: {why}")
+        self._after_server(t, server, sm, checked, contacted, tuple(u.client_id for u in checked.uploads), mark)
+
+    def _after_server(self, t: int, server: alg.ServerState, sm: dict, checked: Checked, contacted: set,
+                      changed: tuple, mark: Callable[[str], None]) -> None:
+        """TAKD (Eq. 13) after the server update, and the round's records (with the privacy spent so far)."""
+        rnd = self.round
+        sm.update(dp.spent(self.cfg, t))
         mark("server")
         with timing.phase("TAKD"):
             extra, tm = self.task.after_server(t, server, rnd.next.extra)
-        self.round = replace(rnd, next=RunState(t, server, extra, frozenset(contacted)),
-                             changed=tuple(u.client_id for u in checked.uploads),
+        self.round = replace(rnd, next=RunState(t, server, extra, frozenset(contacted)), changed=changed,
                              records=round_records(rnd, sm, tm, checked))
         mark("takd")
 
@@ -397,7 +410,29 @@ def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     """The client side of one round: decode the broadcast (validated against the client's own
     references), run `client_update` on the client's saved state, write the new state to its store and
     return (upload bytes, metrics record). `extra_ref` holds the reference shapes of the task's downlink
-    extras (e.g. the student LoRA)."""
+    extras (e.g. the student LoRA). In a private mode the record is cut down (`records.private`)."""
+    up, cm = client_train(cfg, task, store, cid, msg, extra_ref, held)
+    upmsg = alg.encode_upload(up)[0] if cfg.algorithm.communicate else b""
+    return upmsg, records.private(cm) if dp.private_records(cfg) else cm
+
+
+def client_phase(phase: str, cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes,
+                 extra_ref: dict, held: StaticHolder | None = None, sessions=None) -> tuple[bytes, dict]:
+    """Every CIDERS client phase but "report": train (plain, or secure with the protocol phases of
+    `federation.secure`, whose secrets live in `sessions`, the client's own `secure.Sessions`)."""
+    if not cfg.federation.secure_aggregation:
+        if phase != "train":
+            raise PayloadError(f"{cid}: phase {phase!r} without federation.secure_aggregation")
+        return client_round(cfg, task, store, cid, msg, extra_ref, held)
+    from ciders.federation import secure
+
+    return secure.client_phase(phase, cfg, sessions, cid, msg,
+                               train=lambda inner: client_train(cfg, task, store, cid, inner, extra_ref, held))
+
+
+def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes, extra_ref: dict,
+                 held: StaticHolder | None = None) -> tuple[alg.Upload, dict]:
+    """`client_round` up to the upload: (the Upload, with Delta_i in `delta`, and the full metrics record)."""
     acfg = cfg.algorithm
     ref = task.initial_messenger()  # shapes / dtypes / device only
     b, extra = alg.decode_broadcast(msg, ref, dict(extra_ref), device=_dev(ref))
@@ -412,10 +447,10 @@ def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     state = _on_device(None if rec is None else alg.client_from_record(*rec), cid, ref)
     with timing.phase("client steps"):  # B_L(x) for the round's batches and the K steps
         batches = task.batches(cid, b.round, acfg.local_steps * acfg.grad_accum, cfg.seed)
-        up, state, cm = alg.client_update(acfg, b, state, task.loss_fn(cid), batches)
+        up, state, cm = alg.client_update(acfg, b, state, task.loss_fn(cid), batches,
+                                          dp.client_privacy(cfg, b.round, cid))
     store.put(cid, b.round, *alg.client_record(state))
-    upmsg = alg.encode_upload(up)[0] if acfg.communicate else b""
-    return upmsg, cm
+    return up, cm
 
 
 def client_report(store: RoundStore, cid: str) -> bytes:

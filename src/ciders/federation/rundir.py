@@ -18,7 +18,7 @@ from ciders.runtime import derive_seed
 from ciders.phases import phase
 
 MIB = 2**20
-RUN_SUBDIRS = ("checkpoints", "clients", "server", "eval", "adapters", "teacher_cache")  # a run writes below root
+RUN_SUBDIRS = ("checkpoints", "clients", "clients-secagg", "server", "eval", "adapters", "teacher_cache")  # a run writes below root
 
 
 def sample_clients(ids: list[str], m: int | None, seed: int, t: int) -> list[str]:

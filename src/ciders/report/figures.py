@@ -100,6 +100,7 @@ class Panel:
     xlabel: str
     ylabel: str
     series: dict[str, list[list[tuple]]] = field(default_factory=dict)
+    logx: bool = False  # a logarithmic x axis (epsilon spans orders of magnitude)
 
     def points(self) -> list[tuple]:
         return [p[:2] for lines in self.series.values() for line in lines for p in line]
@@ -129,6 +130,8 @@ def xy_panels(panels: list[Panel], path: str | Path, colors: dict[str, str] | No
                 else:
                     ax.plot(x, y, "o-", ms=3, color=c, alpha=0.9 if len(lines) == 1 else 0.6, label=lab)
         ax.set_title(p.title, fontsize=10)
+        if p.logx:
+            ax.set_xscale("log")
         ax.set_xlabel(p.xlabel)
         ax.set_ylabel(p.ylabel, fontsize=8.5)
         ax.grid(alpha=0.3)

@@ -395,6 +395,28 @@ def communication(page: Page, groups: dict[str, Group]) -> None:
     page.add(table(head, rows))
 
 
+def privacy(page: Page, root: Path, cfg) -> None:
+    """The run's privacy settings and, with DP noise, epsilon(delta) spent after each round (docs/privacy.md)."""
+    fed = getattr(cfg, "federation", None)
+    if fed is None or not (getattr(fed, "secure_aggregation", False) or fed.dp.enabled):
+        return
+    page.section("Privacy")
+    rows = [["secure aggregation", "on: the server saw only the sum of each round's updates" if fed.secure_aggregation
+             else "off"], ["differential privacy", esc(fed.dp.mode)]]
+    if fed.dp.enabled:
+        server = [r for r in dg.load_run(root).events("server")]
+        z = next((r.get("dp_noise_multiplier") for r in server if "dp_noise_multiplier" in r), None)
+        rows += [["clipping norm C", num(fed.dp.clip)], ["noise multiplier z", num(z)], ["delta", num(fed.dp.delta)]]
+    page.add(table(["setting", "value"], rows))
+    spent = tables.privacy_spent(root)
+    if spent:
+        page.add('<p class="note">epsilon at dp.delta spent after each round (Opacus RDP accountant; central: the '
+                 "federation's guarantee at sampling rate q; local: one client's, had it taken part every round).</p>")
+        page.add(table(["round", "epsilon"], [[esc(t + 1), num(e)] for t, e in spent]))
+    elif fed.dp.enabled:
+        page.add('<p class="na">no noise (z = 0): clipping only, no finite epsilon</p>')
+
+
 def config(page: Page, text: str, name: str) -> None:
     page.section("Configuration")
     page.add(f"<details><summary>{esc(name)}</summary><pre>{esc(text)}</pre></details>")
@@ -476,6 +498,7 @@ def run_page(root: Path, page: Page) -> str:
     else:
         page.missing("evaluation before and after training")
     communication(page, groups)
+    privacy(page, root, run.cfg)
     _figures(page, groups)
     page.section("Diagnostics per round")
     means = {r["round"]: r for r in dg.round_means(run)}
@@ -492,7 +515,7 @@ def run_page(root: Path, page: Page) -> str:
     return f"Run report: {run.cfg.name} ({run.method}, seed {run.cfg.seed})"
 
 
-SIZE_KEYS = ("stored_mib", "mib_down", "mib_up")  # resources, not quality
+SIZE_KEYS = ("stored_mib", "mib_down", "mib_up", "dp_epsilon")  # resources (and the privacy spent), not quality
 
 
 def sweep_table(info: dict) -> str:
@@ -551,19 +574,20 @@ def tradeoff_panels(info: dict) -> list[figures.Panel]:
         scale = tables.METRICS[q][2]
         for xname, what, xlabel in (
                 ("stored_mib", "stored MiB", "stored edge LoRA, MiB (FP32, measured from the saved adapters)"),
-                ("drop_ratio", "drop ratio", "drop ratio (1 - beta)")):
+                ("drop_ratio", "drop ratio", "drop ratio (1 - beta)"),
+                ("dp_epsilon", "DP epsilon", "epsilon spent by the end of the run (at dp.delta; log scale)")):
             series: dict = {}
             for r in rows:
                 for m in methods:
                     a = r.get("aggregate", {}).get(m, {})
-                    x = a.get("stored_mib", {}).get("mean") if xname == "stored_mib" else _drop_ratio(r)
+                    x = _drop_ratio(r) if xname == "drop_ratio" else a.get(xname, {}).get("mean")
                     if q not in a or not _finite(x):
                         continue
                     name = ", ".join([m] + [f"{k.rsplit('.', 1)[-1]}={r['values'][k]}" for k in other if k in r.get("values", {})])
                     err = a[q]["std"] * scale if a[q].get("n", 1) > 1 else 0.0
                     series.setdefault(name, [[]])[0].append((float(x), a[q]["mean"] * scale, err))
             panels.append(figures.Panel(f"{tables.METRICS[q][0]} against {what}", xlabel,
-                                        axis_label(q), series))
+                                        axis_label(q), series, logx=xname == "dp_epsilon"))
     return panels
 
 
@@ -590,11 +614,12 @@ def sweep_page(root: Path, page: Page) -> str:
     page.add(f'<p class="note">Final evaluation per grid point, mean over seeds {esc(seeds)} with the sample std '
              "beside it where there are several seeds; <b>best</b> method of each metric within a row.</p>")
     page.add(sweep_table(info))
-    page.section("Quality against stored size and drop ratio (Table V)")
+    page.section("Quality against stored size and drop ratio (Table V), and against the privacy spent")
     if not page.figure("tradeoff", lambda p: figures.xy_panels(tradeoff_panels(info), p, ncols=2),
                        "Final metric of each grid point (mean over seeds, bar: seed std) against the stored FP32 "
-                       "LoRA MiB of the edge model (adapters/messenger + student) and against the drop ratio; a "
-                       "panel whose axis does not vary or that has one point is left out."):
+                       "LoRA MiB of the edge model (adapters/messenger + student), against the drop ratio and, in a "
+                       "sweep over federation.dp, against the epsilon spent; a panel whose axis does not vary or "
+                       "that has one point is left out."):
         page.missing("quality against stored size or drop ratio (needs points that differ in it)")
     groups, lost = sweep_groups(root, info)
     colors = {m: f"C{i % 10}" for i, m in enumerate(groups)}

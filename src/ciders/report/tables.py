@@ -29,6 +29,7 @@ METRICS: dict[str, tuple[str, int, float, str]] = {
     "stored_mib": ("stored FP32 LoRA MiB", -1, 1.0, "{:.3f}"),
     "mib_down": ("MiB down / client-round", -1, 1.0, "{:.3f}"),
     "mib_up": ("MiB up / client-round", -1, 1.0, "{:.3f}"),
+    "dp_epsilon": ("DP epsilon spent (at dp.delta)", -1, 1.0, "{:.3f}"),
 }
 
 
@@ -46,7 +47,17 @@ def final_metrics(run: str | Path) -> dict[str, float]:
     stored = stored_lora_mib(run)
     if stored:
         out["stored_mib"] = sum(stored.values())
+    eps = privacy_spent(run)
+    if eps:
+        out["dp_epsilon"] = eps[-1][1]
     return out
+
+
+def privacy_spent(run: str | Path) -> list[tuple[int, float]]:
+    """(round, epsilon spent after it) of a run with federation.dp and noise (docs/privacy.md); [] otherwise
+    (no DP, or DP without noise, whose epsilon is unbounded and recorded as null)."""
+    rows = read_jsonl(Path(run) / "metrics.jsonl")
+    return [(r["round"], float(r["dp_epsilon"])) for r in rows if r["event"] == "server" and r.get("dp_epsilon") is not None]
 
 
 def metrics_of(ev: dict) -> dict[str, float]:

@@ -115,14 +115,14 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
         data_file = context.node_config.get("data-file")
         data_file = None if data_file is None else str(data_file)
         worker = context.node_config.get("worker")
-        payload = fm.payload_of(msg.content) if phase == "train" else b""
+        payload = fm.payload_of(msg.content) if phase != "report" else b""
         if worker:  # the node's warm worker holds torch, the edge model and the data (`transports.flower.worker`)
             from ciders.transports.flower.worker import call
 
             fields, out = call(Path(str(worker)), f, payload, cid, state, data_file)
         else:
             fields, out = ciders_phase(f, payload, cid, state, data_file)
-        if phase == "train":  # this message's own timings, beside what the phase measured
+        if phase == "train" and family == "ciders":  # this message's own timings, beside what the phase measured
             rec = json.loads(fields["record"])
             rec.update(handle_s=time.perf_counter() - entry, startup_s=started, warm=bool(worker))
             fields = {**fields, "record": json.dumps(rec)}

@@ -84,16 +84,23 @@ def ciders_phase(f: dict, payload: bytes, cid: str, state: Path, data_file: str 
     the node's warm worker does (the same function, so the same numbers)."""
     t, committed, phase = int(f["round"]), int(f["committed"]), f.get("phase")
     if phase == "train":
-        from ciders.federation.rounds import StaticHolder, client_round
+        from ciders.federation.rounds import StaticHolder, client_phase
+        from ciders.federation.secure import Sessions
 
         cfg, task = _task(str(f["config"]), state, cid, data_file)
         store = _store(state, committed, keep_current=False)
         t0 = time.perf_counter()
-        up, rec = client_round(cfg, task, store, cid, payload, task.downlink_reference(),
-                               held=StaticHolder(state / "static"))
+        up, rec = client_phase(phase, cfg, task, store, cid, payload, task.downlink_reference(),
+                               held=StaticHolder(state / "static"), sessions=Sessions(state / "secagg"))
         compute = time.perf_counter() - t0
         _fault(cid, "train", t, state)
         return {"client_id": cid, "record": json.dumps({**rec, **_resources(state), "compute_s": compute})}, up
+    if phase in ("secagg_keys", "secagg_shares", "secagg_unmask"):  # secure aggregation's protocol phases
+        from ciders.federation.secure import Sessions, client_phase
+
+        cfg, _ = _task(str(f["config"]), state, cid, data_file)
+        out, rec = client_phase(phase, cfg, Sessions(state / "secagg"), cid, payload)
+        return {"client_id": cid, "record": json.dumps(rec)}, out
     if phase != "report":
         raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")
     # report: the personalized messenger of this round (not yet committed by the server)

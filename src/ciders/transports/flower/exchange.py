@@ -43,7 +43,7 @@ class FlowerExchange:
     a round (node discovery waits there)."""
 
     def __init__(self, grid: Grid, config_text: str, ids: list[str], fcfg, family: str,
-                 log: Callable[[str], None] = print, first_phases: tuple[str, ...] = ("train", "inner", "local"),
+                 log: Callable[[str], None] = print, first_phases: tuple[str, ...] = ("train", "inner", "local", "secagg_keys"),
                  edge_spec: dict[str, bytes] | None = None):
         self.grid, self.config_text, self.fcfg, self.family, self.log = grid, config_text, fcfg, family, log
         self.edge_spec = edge_spec
@@ -73,7 +73,7 @@ class FlowerExchange:
                 continue
             out.append(Message(fm.pack(self._fields(phase, t), payload), dst_node_id=node, message_type="train"))
             sent[node] = cid
-        if opening:
+        if phase == "train" or opening:  # (a secure round opens with secagg_keys; its train phase comes later)
             self.trained = set(sent.values())
         replies = []
         for rep in self.grid.send_and_receive(out, timeout=self.fcfg.round_timeout_s) if out else []:
