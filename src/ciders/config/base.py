@@ -542,32 +542,31 @@ class ExperimentConfig:
         return self
 
     def check_privacy(self) -> None:
-        """The checks between secure aggregation, DP and the algorithm (docs/privacy.md)."""
-        fed, alg = self.federation, self.algorithm
+        """The checks between secure aggregation, DP and the algorithm (docs/privacy.md): (broken?, why) rules."""
+        fed, alg, rules = self.federation, self.algorithm, []
         if fed.secure_aggregation:
-            why = "secure aggregation hides every single update from the server"
-            if alg.upload_personalized_messenger:
-                raise ConfigError(f"federation.secure_aggregation: {why}, and algorithm.upload_personalized_messenger "
-                                  "would send each client's messenger in the clear; set it to false")
-            if alg.aggregator != "mean":
-                raise ConfigError(f"federation.secure_aggregation: {why}, so a robust aggregator (algorithm.aggregator"
-                                  f"={alg.aggregator}) has nothing to sort; use algorithm.aggregator=mean")
-            if not alg.communicate:
-                raise ConfigError("federation.secure_aggregation: this method uploads nothing (algorithm.communicate "
-                                  "is false); drop secure_aggregation")
+            sa = "federation.secure_aggregation: secure aggregation hides every single update from the server"
+            rules += [(alg.upload_personalized_messenger, f"{sa}, and algorithm.upload_personalized_messenger would "
+                                                          "send each client's messenger in the clear; set it to false"),
+                      (alg.aggregator != "mean", f"{sa}, so a robust aggregator (algorithm.aggregator={alg.aggregator}) "
+                                                 "has nothing to sort; use algorithm.aggregator=mean"),
+                      (not alg.communicate, "federation.secure_aggregation: this method uploads nothing "
+                                            "(algorithm.communicate is false); drop secure_aggregation")]
         if fed.dp.enabled:
-            if fed.dp.mode == "central" and alg.weighting != "uniform":
-                raise ConfigError("federation.dp.mode=central: the noise is calibrated to one client's share of a "
-                                  "uniform mean (p_i = 1/m); set algorithm.weighting=uniform")
-            if alg.aggregator != "mean":
-                raise ConfigError(f"federation.dp: the accountant assumes the mean of clipped updates; "
-                                  f"algorithm.aggregator={alg.aggregator} changes one client's influence; use mean")
-            if not alg.communicate:
-                raise ConfigError("federation.dp: this method uploads nothing (algorithm.communicate is false); "
-                                  "drop federation.dp")
-            if fed.dp.mode == "local" and alg.upload_personalized_messenger:
-                raise ConfigError("federation.dp.mode=local: algorithm.upload_personalized_messenger would send each "
-                                  "client's messenger without noise; set it to false")
+            rules += [(fed.dp.mode == "central" and alg.weighting != "uniform",
+                       "federation.dp.mode=central: the noise is calibrated to one client's share of a uniform mean "
+                       "(p_i = 1/m); set algorithm.weighting=uniform"),
+                      (alg.aggregator != "mean", f"federation.dp: the accountant assumes the mean of clipped updates; "
+                                                 f"algorithm.aggregator={alg.aggregator} changes one client's influence; "
+                                                 "use mean"),
+                      (not alg.communicate, "federation.dp: this method uploads nothing (algorithm.communicate is "
+                                            "false); drop federation.dp"),
+                      (fed.dp.mode == "local" and alg.upload_personalized_messenger,
+                       "federation.dp.mode=local: algorithm.upload_personalized_messenger would send each client's "
+                       "messenger without noise; set it to false")]
+        for broken, why in rules:
+            if broken:
+                raise ConfigError(why)
 
 
 # --------------------------------------------------------------------------------------------- machinery
