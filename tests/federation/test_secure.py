@@ -201,8 +201,15 @@ def test_the_secure_phases_are_counted_on_the_wire(tmp_path):
     assert {"secagg_keys", "secagg_shares", "masked", "secagg_unmask"} <= set(up) and "dc" not in up
     # the masked vector is the update in 64-bit fixed point: twice the float32 ... here float64: the same size
     assert s["up_per_client_round"] > p["up_per_client_round"]
-    rounds = [r for r in read_jsonl(tmp_path / "s" / "metrics.jsonl") if r["event"] == "round"]
+    recs = read_jsonl(tmp_path / "s" / "metrics.jsonl")
+    rounds = [r for r in recs if r["event"] == "round"]
     assert all(r["bytes_up"]["masked"] > 0 for r in rounds)
+    # the components add up to the bytes each client's messages really had, every phase included
+    for r in rounds:
+        mine = [c for c in recs if c["event"] == "client" and c["round"] == r["round"]]
+        assert len(mine) == len(r["clients"])
+        for way in ("bytes_down", "bytes_up"):
+            assert sum(r[way].values()) == sum(c[way] for c in mine), (r["round"], way)
 
 
 # ------------------------------------------------------------------------------ hostile replies

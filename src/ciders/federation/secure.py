@@ -41,7 +41,8 @@ KEY_KINDS = ("c", "s")
 
 
 def _u8(b: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8).clone() if b else torch.zeros(0, dtype=torch.uint8)
+    # one copy (the bytearray the tensor owns): at first contact b is a broadcast with the emulator in it
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
 
 
 def blobs(comp: dict | None, allowed: Callable[[str], bool], max_bytes: int, what: str) -> dict[str, bytes]:
@@ -209,12 +210,12 @@ def train_message(sr: SecureRound, cid: str, broadcast: bytes) -> bytes:
     return wire.encode(comps, {"round": sr.params.round, "weight": sr.weights[cid]})[0]
 
 
-def train_sizes(msg: bytes) -> dict[str, int]:
-    """Bytes per component of a secure train message: the broadcast's own components, and the routed
-    shares and envelope as secagg_shares."""
-    comps, _ = wire.decode(msg)
-    inner = wire.sizes(blobs(comps["broadcast"], lambda k: k == "bytes", 1 << 40, "broadcast")["bytes"])
-    inner["secagg_shares"] = len(msg) - sum(inner.values())
+def train_sizes(msg: bytes, broadcast: bytes) -> dict[str, int]:
+    """Bytes per component of the secure train message `msg` that wraps `broadcast`: the broadcast's own
+    components (read from its header, not decoded: it can hold the emulator), and the routed shares and
+    envelope as secagg_shares."""
+    inner = wire.sizes(broadcast)
+    inner["secagg_shares"] = len(msg) - len(broadcast)
     return inner
 
 

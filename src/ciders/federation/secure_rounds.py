@@ -61,7 +61,7 @@ class SecureCoordinator(Coordinator):
                                                   cid, rnd.down_extra, self.static, secure=True)
             out[cid] = secure.train_message(sr, cid, inner)
             if counted:
-                _count(total, secure.train_sizes(out[cid]))
+                _count(total, secure.train_sizes(out[cid], inner))
                 lens[cid] = lens.get(cid, 0) + len(out[cid])
         self.round = replace(rnd, bytes_down=total, down_len=lens)
         return out
