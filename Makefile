@@ -61,8 +61,9 @@ cpu-protocols: $(STAMP)
 	$(BIN)/ciders report runs/cpu-protocol-a
 	$(BIN)/ciders report runs/cpu-protocol-b
 
-# Privacy at CPU scale (docs/results-cpu.md#privacy): with and without secure aggregation, then quality against epsilon
-# (central DP under secure aggregation); 15 runs of 10 SmolLM2 clients, about 2 hours on 2 cores
+# Privacy at CPU scale (docs/results-cpu.md, "Privacy"): with and without secure aggregation, then quality against
+# epsilon (central DP under secure aggregation); 15 runs of 10 SmolLM2 clients, about 3 minutes each on 2 idle cores
+# (finished runs are reused)
 cpu-privacy: $(STAMP)
 	$(BIN)/ciders sweep configs/cpu/privacy.yaml --grid federation.secure_aggregation=false,true \
 		--algorithms ciders-fo --seeds 0,1,2 --metrics ppl,mib_down,mib_up --out runs/cpu-privacy-secagg

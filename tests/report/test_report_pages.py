@@ -383,6 +383,7 @@ def test_a_sweep_over_epsilon_plots_quality_against_the_privacy_spent(tmp_path):
     panels = {p.title: p for p in __import__("ciders.report.html", fromlist=["x"]).tradeoff_panels(info)}
     eps_panel = next(p for t, p in panels.items() if "against DP epsilon" in t)
     assert eps_panel.logx and sorted(x for x, *_ in eps_panel.points()) == pytest.approx(spent)
+    assert list(eps_panel.series) == ["ciders-fo"]  # the budgets are one line, not one legend entry each
     page, index = report(d, tmp_path / "eps-rep")
     assert "tradeoff" in figs(index)
     run = d / "federation.dp.target_epsilon=4" / "ciders-fo" / "seed0"
@@ -395,3 +396,26 @@ def test_a_sweep_over_epsilon_plots_quality_against_the_privacy_spent(tmp_path):
     assert any("masked" in c["text"] for c in comm["head"]) and not any(c["text"] == "up: dc" for c in comm["head"])
     for p, i in ((page, index), (rpage, rindex)):
         in_chromium(i, tmp_path, p)
+
+
+def test_quality_that_spans_orders_of_magnitude_gets_a_log_axis():
+    """A PPL that diverges at the smallest budget would flatten the other points on a linear axis; each
+    budget is a point of its method's line, and another grid key still splits the lines."""
+    from ciders.report.html import tradeoff_panels
+
+    def row(eps, agg, ppl, std):
+        return {"values": {"federation.dp.target_epsilon": eps, "algorithm.aggregator": agg},
+                "aggregate": {"ciders-fo": {"ppl": {"mean": ppl, "std": std, "n": 3},
+                                            "dp_epsilon": {"mean": float(eps), "std": 0.0, "n": 3}}}}
+
+    grid = [("federation.dp.target_epsilon", ["4", "64"]), ("algorithm.aggregator", ["mean", "median"])]
+    info = {"methods": ["ciders-fo"], "metrics": ["ppl", "dp_epsilon"], "grid": grid,
+            "rows": [row(4, "mean", 2994.0, 2750.0), row(64, "mean", 71.0, 12.0),
+                     row(4, "median", 3100.0, 10.0), row(64, "median", 75.0, 1.0)]}
+    (eps,) = [p for p in tradeoff_panels(info) if "epsilon" in p.title]
+    assert eps.logx and eps.logy and "log scale" in eps.ylabel
+    assert sorted(eps.series) == ["ciders-fo, aggregator=mean", "ciders-fo, aggregator=median"]
+    assert sorted(eps.series["ciders-fo, aggregator=mean"][0]) == [(4.0, 2994.0, 2750.0), (64.0, 71.0, 12.0)]
+    info["rows"] = [row(4, "mean", 80.0, 1.0), row(64, "mean", 71.0, 1.0)]
+    (eps,) = [p for p in tradeoff_panels(info) if "epsilon" in p.title]
+    assert not eps.logy and "log" not in eps.ylabel

@@ -101,6 +101,7 @@ class Panel:
     ylabel: str
     series: dict[str, list[list[tuple]]] = field(default_factory=dict)
     logx: bool = False  # a logarithmic x axis (epsilon spans orders of magnitude)
+    logy: bool = False  # a logarithmic y axis (a quality that spans orders of magnitude, e.g. a diverged PPL)
 
     def points(self) -> list[tuple]:
         return [p[:2] for lines in self.series.values() for line in lines for p in line]
@@ -132,11 +133,14 @@ def xy_panels(panels: list[Panel], path: str | Path, colors: dict[str, str] | No
         ax.set_title(p.title, fontsize=10)
         if p.logx:
             ax.set_xscale("log")
+        if p.logy:
+            ax.set_yscale("log")
         ax.set_xlabel(p.xlabel)
         ax.set_ylabel(p.ylabel, fontsize=8.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5)
-        ax.ticklabel_format(axis="y", useOffset=False)
+        if not p.logy:
+            ax.ticklabel_format(axis="y", useOffset=False)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -561,14 +561,17 @@ def _drop_ratio(row: dict) -> float | None:
 
 def tradeoff_panels(info: dict) -> list[figures.Panel]:
     """The paper's Table V as figures: per quality metric of the sweep, its final value (mean over seeds,
-    error bar: seed std) against the stored MiB of the edge model's LoRA and against the drop ratio; one line
-    per method and setting of the other grid keys."""
+    error bar: seed std) against the stored MiB of the edge model's LoRA, against the drop ratio and against
+    the DP epsilon spent; one line per method and setting of the other grid keys."""
     rows, methods = info.get("rows", []), info["methods"]
     quality = [k for k in info.get("metrics", []) if k in tables.METRICS and k not in SIZE_KEYS and tables.METRICS[k][1]]
     if not quality:
         have = {k for r in rows for a in r.get("aggregate", {}).values() for k in a}
         quality = [k for k in ("ppl", "nll") if k in have][:1]
-    other = [k for k, _ in info["grid"] if k not in ("decomposition.drop_ratio", "decomposition.beta")]
+    # grid keys that only move a panel's x (the size, the privacy budget) are joined into one line, not split
+    moves_x = {"stored_mib": ("decomposition.drop_ratio", "decomposition.beta"),
+               "drop_ratio": ("decomposition.drop_ratio", "decomposition.beta"),
+               "dp_epsilon": ("federation.dp.target_epsilon", "federation.dp.noise_multiplier")}
     panels = []
     for q in quality:
         scale = tables.METRICS[q][2]
@@ -577,6 +580,7 @@ def tradeoff_panels(info: dict) -> list[figures.Panel]:
                 ("drop_ratio", "drop ratio", "drop ratio (1 - beta)"),
                 ("dp_epsilon", "DP epsilon", "epsilon spent by the end of the run (at dp.delta; log scale)")):
             series: dict = {}
+            other = [k for k, _ in info["grid"] if k not in moves_x[xname]]
             for r in rows:
                 for m in methods:
                     a = r.get("aggregate", {}).get(m, {})
@@ -586,8 +590,11 @@ def tradeoff_panels(info: dict) -> list[figures.Panel]:
                     name = ", ".join([m] + [f"{k.rsplit('.', 1)[-1]}={r['values'][k]}" for k in other if k in r.get("values", {})])
                     err = a[q]["std"] * scale if a[q].get("n", 1) > 1 else 0.0
                     series.setdefault(name, [[]])[0].append((float(x), a[q]["mean"] * scale, err))
+            ys = [p[1] for lines in series.values() for line in lines for p in line]
+            logy = bool(ys) and min(ys) > 0 and max(ys) >= 10 * min(ys)  # e.g. a PPL that diverged at small epsilon
             panels.append(figures.Panel(f"{tables.METRICS[q][0]} against {what}", xlabel,
-                                        axis_label(q), series, logx=xname == "dp_epsilon"))
+                                        axis_label(q) + (" (log scale)" if logy else ""), series,
+                                        logx=xname == "dp_epsilon", logy=logy))
     return panels
 
 
