@@ -274,6 +274,54 @@ def test_a_masked_upload_of_the_wrong_type_is_rejected():
     assert list(sr2.masked) == [ids[0]] and set(rejected) == {ids[1], ids[2]}
 
 
+def test_a_client_refuses_a_train_message_whose_broadcast_is_not_what_it_announces(tmp_path):
+    """The broadcast travels unencoded behind the train message's envelope (one copy of a first-contact
+    emulator, not a re-encoded one); the envelope announces its length. A client takes the broadcast only
+    when the bytes behind the envelope are exactly that many, and nothing else rides in the envelope."""
+    cfg = load_config(None, BASE + SECURE)
+    ids = [f"c{i:04d}" for i in range(5)]
+    sr = secure.start(cfg, 0, tuple(ids), {c: 10 for c in ids})
+    sessions = secure.Sessions(tmp_path / "s")
+    for name, make, absorb in (("secagg_keys", secure.keys_messages, secure.absorb_keys),
+                               ("secagg_shares", secure.shares_messages, secure.absorb_shares)):
+        replies = [Reply(c, secure.client_phase(name, cfg, sessions, c, m)[0]) for c, m in make(sr).items()]
+        sr, rejected = absorb(sr, replies)
+        assert not rejected
+    broadcast = wire.encode({"messenger": {"x": torch.arange(4.0)}}, {"round": 0})[0]
+    got = []
+
+    def train(inner):
+        got.append(inner)
+        return alg.Upload(ids[0], 0, 0, delta={"x": torch.ones(4)}), {"loss": 1.0}
+
+    def attempt(msg, sess):
+        return secure.client_phase("train", cfg, secure.Sessions(sess), ids[0], msg, train=train)
+
+    import shutil
+
+    good = secure.train_message(sr, ids[0], broadcast)
+    assert good.endswith(broadcast) and secure.train_sizes(good, broadcast)["messenger"] > 0
+    head = good[: len(good) - len(broadcast)]
+    comps, meta = wire.decode(head)
+    bad = {
+        "one byte short": good[:-1],
+        "one byte more": good + b"\0",
+        "no broadcast": head,
+        "announces more": wire.encode(comps, {**meta, "broadcast_bytes": len(broadcast) + 1})[0] + broadcast,
+        "no length": wire.encode(comps, {k: v for k, v in meta.items() if k != "broadcast_bytes"})[0] + broadcast,
+        "a smuggled component": wire.encode({**comps, "extra": {"x": torch.zeros(1)}}, meta)[0] + broadcast,
+        "components past the end": head[: len(head) - 1],
+    }
+    for why, msg in bad.items():
+        sess = tmp_path / why.replace(" ", "-")
+        shutil.copytree(tmp_path / "s", sess)
+        with pytest.raises(wire.PayloadError):
+            attempt(msg, sess)
+        assert not got, why  # refused before the client trained on anything
+    reply, _ = attempt(good, tmp_path / "s")
+    assert got == [broadcast] and "masked" in wire.decode(reply)[0]
+
+
 # ------------------------------------------------------------------------------ configuration
 
 

@@ -191,3 +191,14 @@ def sizes(msg: bytes) -> dict[str, int]:
     out = {n: b for n, b in comps}
     out["header"] = start
     return out
+
+
+def split_tail(msg: bytes) -> tuple[bytes, bytes]:
+    """(the message its header describes, the bytes after it): for a message that carries another message
+    unencoded behind it (a secure train message and its broadcast), so that a large broadcast is copied once
+    instead of being re-encoded as a tensor. The receiver checks the tail's length against its own metadata."""
+    comps, _, start = _header(msg)
+    end = start + sum(n for _, n in comps)
+    if end > len(msg):
+        raise PayloadError("truncated message (its components end past its last byte)")
+    return msg[:end], msg[end:]

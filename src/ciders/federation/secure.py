@@ -41,7 +41,7 @@ KEY_KINDS = ("c", "s")
 
 
 def _u8(b: bytes) -> torch.Tensor:
-    # one copy (the bytearray the tensor owns): at first contact b is a broadcast with the emulator in it
+    # one copy: the tensor owns the bytearray (frombuffer on immutable bytes would warn)
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
 
 
@@ -204,14 +204,16 @@ def absorb_shares(sr: SecureRound, replies: list[Reply]) -> tuple[SecureRound, d
 
 
 def train_message(sr: SecureRound, cid: str, broadcast: bytes) -> bytes:
-    """The broadcast wrapped with the client's weight w_i and the shares addressed to it."""
-    comps = {"broadcast": {"bytes": _u8(broadcast)},
-             "shares": {s: _u8(ct) for s, ct in sr.routed.get(cid, {}).items()}}
-    return wire.encode(comps, {"round": sr.params.round, "weight": sr.weights[cid]})[0]
+    """The client's weight w_i and the shares addressed to it, with the broadcast behind them as it is (its
+    length in the metadata): at first contact the broadcast holds the emulator, which is copied once here
+    and once by the client (`wire.split_tail`), not re-encoded."""
+    comps = {"shares": {s: _u8(ct) for s, ct in sr.routed.get(cid, {}).items()}}
+    meta = {"round": sr.params.round, "weight": sr.weights[cid], "broadcast_bytes": len(broadcast)}
+    return wire.encode(comps, meta)[0] + broadcast
 
 
 def train_sizes(msg: bytes, broadcast: bytes) -> dict[str, int]:
-    """Bytes per component of the secure train message `msg` that wraps `broadcast`: the broadcast's own
+    """Bytes per component of the secure train message `msg` that carries `broadcast`: the broadcast's own
     components (read from its header, not decoded: it can hold the emulator), and the routed shares and
     envelope as secagg_shares."""
     inner = wire.sizes(broadcast)
@@ -330,6 +332,9 @@ def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str
                  train: Callable[[bytes], tuple[alg.Upload, dict]] | None = None) -> tuple[bytes, dict]:
     """The client side of one secure-aggregation phase: (reply bytes, metrics record). `train(broadcast)` runs
     the client's round on the unwrapped broadcast and returns its upload (Delta_i in `delta`) and record."""
+    inner = None
+    if phase == "train":
+        msg, inner = wire.split_tail(msg)
     comps, meta, t = _meta_round(msg)
     if phase == "secagg_keys":
         members = _ids(meta.get("members"), "members")
@@ -352,13 +357,16 @@ def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str
         sessions.save(s)
         return _reply(cid, t, {"shares": {d: _u8(ct) for d, ct in cts.items()}}), {}
     if phase == "train":
-        weight = wire.fields(meta, {"weight": "float"}, "secure train")["weight"]
+        f = wire.fields(meta, {"weight": "float", "broadcast_bytes": "int"}, "secure train")
+        weight = f["weight"]
         if not 0 < weight <= 1:
             raise PayloadError(f"{cid}: weight {weight} is not in (0, 1]")
-        inner = blobs(comps.get("broadcast"), lambda k: k == "bytes", 1 << 40, "broadcast").get("bytes")
+        if f["broadcast_bytes"] != len(inner):
+            raise PayloadError(f"{cid}: the secure train message announces a broadcast of {f['broadcast_bytes']} "
+                               f"bytes and carries {len(inner)}")
+        if set(comps) - {"shares"}:
+            raise PayloadError(f"{cid}: unexpected components {sorted(set(comps) - {'shares'})} in a secure train message")
         cts = blobs(comps.get("shares"), lambda k: k in s.peers, sa.MAX_CIPHERTEXT, "shares")
-        if inner is None:
-            raise PayloadError(f"{cid}: a secure train message without a broadcast")
         s = sa.client_receive(p, s, cts)
         up, rec = train(inner)
         vec = {f"delta/{k}": v * weight for k, v in up.delta.items()}
