@@ -569,8 +569,8 @@ def tradeoff_panels(info: dict) -> list[figures.Panel]:
         have = {k for r in rows for a in r.get("aggregate", {}).values() for k in a}
         quality = [k for k in ("ppl", "nll") if k in have][:1]
     # grid keys that only move a panel's x (the size, the privacy budget) are joined into one line, not split
-    moves_x = {"stored_mib": ("decomposition.drop_ratio", "decomposition.beta"),
-               "drop_ratio": ("decomposition.drop_ratio", "decomposition.beta"),
+    size = ("decomposition.drop_ratio", "decomposition.beta")
+    moves_x = {"stored_mib": size, "drop_ratio": size,
                "dp_epsilon": ("federation.dp.target_epsilon", "federation.dp.noise_multiplier")}
     panels = []
     for q in quality:
@@ -590,11 +590,12 @@ def tradeoff_panels(info: dict) -> list[figures.Panel]:
                     name = ", ".join([m] + [f"{k.rsplit('.', 1)[-1]}={r['values'][k]}" for k in other if k in r.get("values", {})])
                     err = a[q]["std"] * scale if a[q].get("n", 1) > 1 else 0.0
                     series.setdefault(name, [[]])[0].append((float(x), a[q]["mean"] * scale, err))
-            ys = [p[1] for lines in series.values() for line in lines for p in line]
-            logy = bool(ys) and min(ys) > 0 and max(ys) >= 10 * min(ys)  # e.g. a PPL that diverged at small epsilon
-            panels.append(figures.Panel(f"{tables.METRICS[q][0]} against {what}", xlabel,
-                                        axis_label(q) + (" (log scale)" if logy else ""), series,
-                                        logx=xname == "dp_epsilon", logy=logy))
+            panel = figures.Panel(f"{tables.METRICS[q][0]} against {what}", xlabel, axis_label(q), series,
+                                  logx=xname == "dp_epsilon")
+            ys = [y for _, y in panel.points()]
+            if ys and min(ys) > 0 and max(ys) >= 10 * min(ys):  # e.g. a PPL that diverged at a small epsilon
+                panel.logy, panel.ylabel = True, panel.ylabel + " (log scale)"
+            panels.append(panel)
     return panels
 
 
