@@ -50,15 +50,44 @@ def hand_stack(model, layers, ids):
     return model.lm_head(model.model.norm(h))
 
 
+# Set by conftest's autouse fixture: whether the running test is marked `full_data` (shared() refuses otherwise,
+# so that `pytest -m full_data`, the second step of .ci/run, selects every test that needs the full datasets).
+RUNNING_FULL_DATA_TEST = False
+
+FULL_DATA_REASON = ("needs the full datasets: set CIDERS_DATA to their directory (CI: the shared datasets; "
+                    "README, 'Two commands')")
+
+
 def shared(*parts):
-    """A path under the shared datasets ($CIDERS_DATA), or skip the test with the reason."""
+    """A path under the full datasets ($CIDERS_DATA), for tests marked `@pytest.mark.full_data` only (conftest skips
+    those, with FULL_DATA_REASON, where CIDERS_DATA is unset). With CIDERS_DATA set, a missing path is a failure,
+    not a skip: the full-data step of CI must not pass by skipping. Tests that need only a few records read a
+    vendored slice instead (`vendored`)."""
+    import os
+
     import pytest
 
     from ciders.tasks.paths import data_root
 
+    if not RUNNING_FULL_DATA_TEST:
+        pytest.fail("this test reads the full datasets (helpers.shared) but is not marked @pytest.mark.full_data: "
+                    "mark it, or point it at a vendored slice under data/ (helpers.vendored)", pytrace=False)
+    if not os.environ.get("CIDERS_DATA"):  # conftest skipped it already; kept for a direct call
+        pytest.skip(FULL_DATA_REASON)
     p = data_root().joinpath(*parts)
     if not p.exists():
-        pytest.skip(f"{p} not found (set CIDERS_DATA to the shared datasets directory)")
+        pytest.fail(f"{p} not found: CIDERS_DATA={os.environ['CIDERS_DATA']} does not hold the full datasets this "
+                    f"test needs (unset CIDERS_DATA to skip the full-data tests)", pytrace=False)
+    return p
+
+
+def vendored(*parts):
+    """A path under the repository's own data slices (data/: each with its SOURCE.md and licence), there on every
+    checkout, whatever CIDERS_DATA says."""
+    from conftest import ROOT
+
+    p = ROOT.joinpath("data", *parts)
+    assert p.exists(), f"{p}: vendored data missing from the checkout (data/*/SOURCE.md says where it comes from)"
     return p
 
 

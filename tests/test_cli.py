@@ -188,10 +188,10 @@ def test_out_of_memory_is_one_line(capsys, monkeypatch, tmp_path):
         m.setattr(ciders.experiments.theory, "run_theory", cuda)
         assert main(["theory"]) == 2
     _one_line_error(capsys, "out of memory (tried to allocate 20.00 GiB)")
-    from helpers import shared
+    from helpers import vendored
 
-    shared("omniglot", "images_background_small1.zip")
-    small = ["federation.clients=2", "federation.rounds=1", "task.eval_episodes=2", "task.width=100000000"]
+    small = ["federation.clients=2", "federation.rounds=1", "task.eval_episodes=2", "task.width=100000000",
+             f"task.data={vendored('omniglot-slice')}"]
     assert main(["bilevel", str(ROOT / "configs/cpu/rabo_fewshot.yaml"), "--methods", "rabo", "--out",
                  str(tmp_path / "b"), *[x for kv in small for x in ("--set", kv)]]) == 2
     _one_line_error(capsys, "out of memory")

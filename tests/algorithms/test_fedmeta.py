@@ -253,9 +253,9 @@ def test_fedavg_mean_of_the_client_models():
 def test_one_round_of_each_baseline_on_omniglot():
     from ciders.workloads.bilevel import FewShotTask
     from ciders.tasks import omniglot as om
-    from helpers import shared
+    from helpers import vendored
 
-    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    pool = om.load_characters(vendored("omniglot-slice", "images_background_small1.zip"))
     pool = {k: pool[k] for k in sorted(pool)[:16]}
     task = FewShotTask(pool, [1.0, 0.5], n_way=5, k_shot=1, q_query=2, width=8, eval_episodes=2, eval_steps=2)
     x0, y0 = task.initial()

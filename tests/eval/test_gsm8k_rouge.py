@@ -8,6 +8,7 @@ from ciders.eval.rouge import rouge_l
 from helpers import shared
 
 
+@pytest.mark.full_data
 def test_every_gsm8k_test_reference_parses_to_its_own_answer():
     path = shared("gsm8k", "test.jsonl")
     recs = [json.loads(line) for line in path.read_text().splitlines()]
@@ -92,6 +93,7 @@ def test_lm_eval_filters_and_normalization():
     assert lm_eval_normalize("[INVALID]") == "[invalid]"
 
 
+@pytest.mark.full_data
 def test_gsm8k_test_set_in_all_three_conventions():
     recs = [json.loads(line) for line in shared("gsm8k", "test.jsonl").read_text().splitlines()]
     assert len(recs) == 1319

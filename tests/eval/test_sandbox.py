@@ -77,6 +77,7 @@ def test_cannot_write_outside_its_directory(sandbox):
     assert r.status == "failed" and denied and not os.path.exists("/etc/ciders-test")
 
 
+@pytest.mark.full_data
 @pytest.mark.parametrize("language, n", [("python", 6), ("java", 3), ("go", 3)])
 def test_canonical_solutions_pass_and_wrong_ones_fail(language, n):
     shared("humaneval-x")
@@ -103,6 +104,7 @@ def test_truncation_at_stop_sequences():
     assert he.truncate("go", "    return 1\n}\n\nfunc main() {}") == "    return 1\n}\n"
 
 
+@pytest.mark.full_data
 @pytest.mark.slow
 @pytest.mark.parametrize("language", ["python", "java", "go"])
 def test_every_canonical_solution(language):

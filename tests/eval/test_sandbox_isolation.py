@@ -52,6 +52,7 @@ def test_exit_status_0_without_the_pass_token_fails(sandbox):
     assert r.status == "failed" and "pass token" in r.stderr
 
 
+@pytest.mark.full_data
 @pytest.mark.parametrize("completion", [
     "    import sys; sys.exit(0)\n",
     "    import os; os._exit(0)\n",
@@ -65,6 +66,7 @@ def test_python_completion_that_exits_early_fails(completion):
     assert r["pass@1"] == 0.0, r["statuses"]
 
 
+@pytest.mark.full_data
 def test_java_completion_that_calls_system_exit_0_fails():
     shared("humaneval-x")
     toolchain("java")
@@ -74,6 +76,7 @@ def test_java_completion_that_calls_system_exit_0_fails():
     assert r["pass@1"] == 0.0, r["statuses"]
 
 
+@pytest.mark.full_data
 def test_go_completion_that_exits_0_before_the_tests_fails():
     """os.Exit(0) inside a test is already a failure for `go test`; in an init() it is not, so the harness's
     TestMain must have printed the token. (No HumanEval-X Go prompt imports os; the import is added here

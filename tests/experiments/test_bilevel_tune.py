@@ -24,6 +24,7 @@ def test_each_method_reads_only_its_own_step_sizes():
     assert method_grid("rabo", tune) == tune[:2] and method_grid("fedavg-notune", tune) == tune[2:]
 
 
+@pytest.mark.full_data
 def test_tuning_picks_the_best_tuning_split_score_then_runs_the_seeds(tmp_path):
     from helpers import shared
 
@@ -47,6 +48,7 @@ def test_tuning_picks_the_best_tuning_split_score_then_runs_the_seeds(tmp_path):
     assert "fedmeta.lr=" in (tmp_path / "tune.md").read_text()
 
 
+@pytest.mark.full_data
 def test_the_tuning_split_is_disjoint_and_required(tmp_path):
     from helpers import shared
 

@@ -9,6 +9,7 @@ from conftest import ROOT
 from helpers import shared
 
 
+@pytest.mark.full_data
 def test_fewshot_and_losstune_tables(tmp_path, capsys):
     shared("omniglot", "images_background_small1.zip")
     shared("cifar10", "cifar10_test.zip")
@@ -42,6 +43,7 @@ def test_bilevel_config_errors(tmp_path, capsys, args, err):
     assert err in capsys.readouterr().err
 
 
+@pytest.mark.full_data
 def test_bilevel_device_is_resolved_and_checked(tmp_path, capsys):
     """`device: auto` resolves here to the CPU; a CUDA device on a machine without one is a clear error."""
     import torch
@@ -62,6 +64,7 @@ def test_bilevel_device_is_resolved_and_checked(tmp_path, capsys):
         assert "device: 'cuda:0' requested but CUDA is not available" in capsys.readouterr().err
 
 
+@pytest.mark.full_data
 def test_paper_scale_fewshot_config_runs_a_tiny_round_on_cpu(tmp_path):
     """configs/paper/rabo_table2.yaml (ResNet12, overlapping shards) end to end at width 4, one round:
     RABO, the OAP baseline and Dist-MAML."""
@@ -76,6 +79,7 @@ def test_paper_scale_fewshot_config_runs_a_tiny_round_on_cpu(tmp_path):
     assert res["rabo"]["bytes_up"] < res["dist-maml"]["bytes_up"]
 
 
+@pytest.mark.full_data
 def test_compare_and_grid_tables_over_seeds(tmp_path, capsys):
     """`ciders compare` on a bilevel config is the methods x seeds table; `ciders bilevel --grid` adds one
     column per point; finished runs are reused."""

@@ -90,6 +90,7 @@ def test_run_reports(compare_dir, tmp_path):
     assert "FD correction (no second-order / FD run): not available in this run." in dom
 
 
+@pytest.mark.full_data
 def test_domains_run_draws_the_nll_matrix(tmp_path):
     shared("personalization")
     sets = ["model.name=tiny-qwen2", "model.dtype=float32", "decomposition.messenger_layers=2",
@@ -111,6 +112,7 @@ def test_not_a_run_directory(tmp_path):
         write_report(tmp_path)
 
 
+@pytest.mark.full_data
 def test_bilevel_table_and_run_reports(tmp_path):
     """`ciders report` on a `ciders compare` directory of a bilevel config, on one experiment point and on
     one method's run: the table and the learning curves (accuracy and C_x* per round) render."""

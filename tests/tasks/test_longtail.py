@@ -3,6 +3,7 @@ RAFBO round that tunes (w, l, Delta) with the coordinate-wise estimator while ma
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +33,7 @@ def test_vs_loss_reduces_to_cross_entropy_and_matches_its_formula():
     assert lt.balanced_accuracy(torch.eye(4)[[0, 1, 2, 3, 0, 0]], y, 4) == (1 + 0.5 + 1 + 1) / 4
 
 
+@pytest.mark.full_data
 def test_cifar10_long_tailed_and_a_rafbo_round():
     xs, ys = lt.load_cifar10(shared("cifar10", "cifar10_train_500per_class.zip"))
     assert xs.shape == (5000, 3, 32, 32) and [int((ys == c).sum()) for c in range(10)] == [500] * 10

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from ciders.algorithms import rabo as rb
 from ciders.models import vision as vz
 from ciders.tasks import omniglot as om
-from helpers import shared
+from helpers import shared, vendored
 
 
+@pytest.mark.full_data
 def test_characters_shards_and_episodes():
     pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
     assert len(pool) == 136 and all(v.shape == (20, 1, 28, 28) for v in pool.values())
@@ -25,6 +26,7 @@ def test_characters_shards_and_episodes():
     assert sorted(ep.support_labels.tolist()) == list(range(5)) and sorted(set(ep.query_labels.tolist())) == list(range(5))
 
 
+@pytest.mark.full_data
 def test_official_one_shot_runs():
     runs = om.one_shot_runs(shared("omniglot", "all_runs.zip"))
     assert len(runs) == 20
@@ -34,7 +36,7 @@ def test_official_one_shot_runs():
 
 
 def test_rabo_round_on_omniglot_with_conv4():
-    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
+    pool = om.load_characters(vendored("omniglot-slice", "images_background_small1.zip"))  # 24 characters
     shards = om.shard(sorted(pool), 3, seed=0)
     width, n_way = 16, 5
 
@@ -78,9 +80,9 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     from ciders.workloads.bilevel import FewShotTask
     from ciders.fileio import read_jsonl
 
-    pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
-    ev = om.load_characters(shared("omniglot", "images_background_small2.zip"))
-    ev = {k: v for k, v in ev.items() if k.split("/")[0] not in ("Greek", "Latin")}  # held-out alphabets
+    pool = om.load_characters(vendored("omniglot-slice", "images_background_small1.zip"))  # Balinese
+    ev = om.load_characters(vendored("omniglot-slice", "images_background_small2.zip"))  # Tagalog, held out
+    assert {k.split("/")[0] for k in ev}.isdisjoint(k.split("/")[0] for k in pool)
     caps = [1.0, 0.5, 0.25]
     cfg = rb.RaboConfig(inner_steps=2, beta=0.5, alpha=0.05, solver_iters=3, keep_full=("head",)).validate()
     res = {}
@@ -101,6 +103,7 @@ def test_bilevel_loop_logs_covering_compute_and_bytes_against_fedmbo(tmp_path):
     assert res["rabo"]["op_estimate"] < 0.7 * res["fedmbo"]["op_estimate"]
 
 
+@pytest.mark.full_data
 def test_rotations_make_new_classes_and_disjoint_shards_shrink_with_the_clients():
     pool = om.load_characters(shared("omniglot", "images_background_small1.zip"))
     rot = om.rotations(pool, 4)
@@ -115,3 +118,15 @@ def test_rotations_make_new_classes_and_disjoint_shards_shrink_with_the_clients(
         assert min(len(s) for s in shards) == size and len({c for s in shards for c in s}) == 544
     with pytest.raises(om.CidersError, match="rotations must be 1, 2, 3 or 4"):
         om.rotations(pool, 5)
+
+
+@pytest.mark.full_data
+def test_vendored_slice_is_a_verbatim_subset_of_the_shared_omniglot():
+    """data/omniglot-slice (SOURCE.md): whole alphabets of the upstream zips, every entry byte for byte."""
+    import zipfile
+
+    for name, alphabet in (("images_background_small1.zip", "Balinese"), ("images_background_small2.zip", "Tagalog")):
+        with zipfile.ZipFile(vendored("omniglot-slice", name)) as mine, zipfile.ZipFile(shared("omniglot", name)) as up:
+            want = [i.filename for i in up.infolist() if i.filename.split("/")[1:2] in ([alphabet], [""])]
+            assert mine.namelist() == want and len([n for n in want if n.endswith(".png")]) >= 17 * 20
+            assert all(mine.read(n) == up.read(n) for n in want)

@@ -141,13 +141,22 @@ def _custom(tmp_path, *overrides, clients_rows=None):
 
 
 def _labelled_rows():
+    """The first 10 rows of three personalization domains: the vendored slice (data/personalization-slice)."""
     rows = []
     for dom in ("finance", "medical", "general"):
-        lines = (Path(__import__("os").environ.get("CIDERS_DATA", ROOT / "data")) / "personalization" / f"{dom}.jsonl")
-        if not lines.is_file():
-            pytest.skip("the personalization domains are not in CIDERS_DATA")
+        lines = ROOT / "data" / "personalization-slice" / f"{dom}.jsonl"
         rows += [{**json.loads(x), "domain": dom} for x in lines.read_text().splitlines()[:10]]
     return rows
+
+
+@pytest.mark.full_data
+def test_vendored_personalization_slice_is_a_verbatim_prefix_of_the_shared_files():
+    from helpers import shared
+
+    for dom in ("finance", "medical", "general"):
+        with open(shared("personalization", f"{dom}.jsonl"), "rb") as f:
+            head = [f.readline() for _ in range(10)]
+        assert (ROOT / "data" / "personalization-slice" / f"{dom}.jsonl").read_bytes() == b"".join(head), dom
 
 
 def test_custom_data_uses_the_label_based_partitioners(tmp_path):

@@ -7,6 +7,7 @@ from ciders.tasks.text import to_example
 from helpers import shared
 
 
+@pytest.mark.full_data
 @pytest.mark.parametrize("name, n", [("gsm8k", 7473), ("dolly", 15011), ("code", 974), ("domains", 13803), ("math", 7473)])
 def test_named_tasks_load_from_the_shared_data(name, n):
     shared({"dolly": "dolly", "code": "mbpp", "domains": "personalization"}.get(name, "gsm8k"))
@@ -71,6 +72,7 @@ def test_partitions_deterministic_disjoint_covering_and_skewed():
         partition(labels, 3, "natural")
 
 
+@pytest.mark.full_data
 def test_eval_limit_with_per_label_keeps_every_domain():
     """A plain prefix of the label-grouped evaluation split would drop whole domains (and with them
     NLL-matrix columns); with per_label the limit applies per label."""

@@ -88,12 +88,11 @@ def test_perplexity_counts_target_tokens_only():
     assert cnt == 1 and float(nll) == pytest.approx(math.log(5))
 
 
+@pytest.mark.full_data
 def test_vendored_slice_is_a_verbatim_prefix_of_the_shared_gsm8k():
-    from ciders.tasks.paths import data_root
+    from helpers import shared
 
-    src = data_root() / "gsm8k"
-    if not (src / "train.jsonl").is_file():
-        pytest.skip(f"full GSM8K not found under {src} (set CIDERS_DATA to the shared datasets directory)")
+    src = shared("gsm8k")
     for mine, theirs, lo, hi in (("public.jsonl", "train.jsonl", 0, 400), ("clients.jsonl", "train.jsonl", 400, 700),
                                  ("eval.jsonl", "test.jsonl", 0, 100)):
         with open(src / theirs, "rb") as f:

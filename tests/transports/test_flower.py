@@ -213,17 +213,17 @@ def assert_same_bilevel_run(a: Path, b: Path):
         assert (a / f).read_bytes() == (b / f).read_bytes(), (a, f)
 
 
-def test_bilevel_family_on_flower_equals_in_process(tmp_path, capsys, monkeypatch):
+def test_bilevel_family_on_flower_equals_in_process(tmp_path, capsys):
     """`ciders bilevel --engine flower-sim` (RABO, the OAP sub-model baseline, Dist-ProtoNet) and a loopback
     deployment of RABO (TLS + SuperNode auth, a new ClientApp process per message, the between-phase
-    scratch space in each node's state directory) give the in-process numbers, bit for bit."""
+    scratch space in each node's state directory) give the in-process numbers, bit for bit, on the vendored
+    Omniglot slice (data/omniglot-slice: runs on a fresh clone, without CIDERS_DATA)."""
     from ciders.cli import main
-    from ciders.tasks.paths import data_root
 
-    # deployed processes run in their own directories: the data root must be absolute (docs/flower.md)
-    monkeypatch.setenv("CIDERS_DATA", str(data_root().resolve()))
+    # deployed processes run in their own directories: the data path must be absolute (docs/flower.md)
+    data = f"task.data={ROOT / 'data' / 'omniglot-slice'}"
     cfg = str(ROOT / "configs/cpu/rabo_fewshot.yaml")
-    sets = [x for kv in BILEVEL for x in ("--set", kv)]
+    sets = [x for kv in [*BILEVEL, data] for x in ("--set", kv)]
     methods = ["--methods", "rabo,oap,dist-protonet"]
     assert main(["bilevel", cfg, "--out", str(tmp_path / "local"), *methods, *sets]) == 0
     assert main(["bilevel", cfg, "--out", str(tmp_path / "sim"), "--engine", "flower-sim", *methods, *sets]) == 0

@@ -19,6 +19,7 @@ def sets(*kv):
     return [x for pair in (("--set", v) for v in BASE + list(kv)) for x in pair]
 
 
+@pytest.mark.full_data
 def test_protocol_b_shape_domains_natural_partition_and_nll_matrix(tmp_path, capsys):
     shared("personalization")
     out = tmp_path / "b"
@@ -46,6 +47,7 @@ def test_protocol_b_shape_domains_natural_partition_and_nll_matrix(tmp_path, cap
     assert saved["tasks"]["nll_matrix"]["cells"] == m["cells"]  # same messengers, same numbers
 
 
+@pytest.mark.full_data
 def test_protocol_c_shape_dirichlet_over_categories(tmp_path):
     shared("gsm8k")
     (tmp_path / "c.yaml").write_text("name: c\n")
@@ -60,6 +62,7 @@ def test_protocol_c_shape_dirichlet_over_categories(tmp_path):
     assert all(set(h["labels"]) <= {"steps_1-2", "steps_3", "steps_4", "steps_5", "steps_6+"} for h in sp["histograms"])
 
 
+@pytest.mark.full_data
 def test_eval_command_on_every_path(tmp_path, capsys):
     shared("humaneval-x")
     toolchain("python")
@@ -79,6 +82,7 @@ def test_eval_command_on_every_path(tmp_path, capsys):
     assert "unknown evaluation 'bogus'" in capsys.readouterr().err
 
 
+@pytest.mark.full_data
 def test_score_code_command(tmp_path, capsys):
     shared("humaneval-x")
     toolchain("python")
