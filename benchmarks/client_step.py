@@ -23,12 +23,14 @@ shapes: every Linear's forward and its input gradient, 2 x 2 x tokens x in x out
 weight gradient; LoRA's are included as Linears), plus attention scores and values, forward and twice that
 backward (3 x 4 x B x heads x T^2 x head_dim per layer).
 
-    python benchmarks/client_step.py [--model smollm2-135m] [--json]
+--json keys: seconds.*, fo_over_plain, fd_over_plain, fd_probes_over_plain, fo_over_floor, fd_over_floor,
+fd_probes_over_floor, plain_gflops_per_s, matmul_gflops_per_s, mfu, peak_rss_mib.*, peak_tensor_mib.*
+
+    python benchmarks/client_step.py [--model smollm2-135m] [--repeats 7] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import torch
@@ -39,14 +41,13 @@ from ciders.core.metagrad import exact_hvp
 from ciders.config import CidersConfig
 from ciders.models.messenger_loss import MessengerLoss
 from ciders.tasks.text import collate
-from common import interleaved_medians, parser, peak_memory_mib, peak_tensor_mib, setup
+from common import SMOKE_MODEL, emit, interleaved_medians, parser, peak_memory_mib, peak_tensor_mib, setup, smoke
 
 
 def main() -> None:
     ap = parser(__doc__, batch_size=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    a = smoke(ap.parse_args(), model=SMOKE_MODEL, repeats=1)
 
     d, tok, feats = setup(a, "clients.jsonl", a.batch_size)
     b = collate(feats, tok.pad_token_id, d.device)
@@ -119,12 +120,14 @@ def main() -> None:
            "fd_probes_over_floor": med["fd_probes"] / floor_probes,
            "plain_gflops_per_s": achieved / 1e9, "matmul_gflops_per_s": mm_flops / 1e9, "mfu": achieved / mm_flops,
            "peak_rss_mib": peak, "peak_tensor_mib": held}
-    if a.json:
-        print(json.dumps(res))
-        return
+    emit(res, a.json, lambda: report(res, d, a.repeats, med, peak, held, (floor_fo, floor_fd, floor_probes)))
+
+
+def report(res: dict, d, repeats: int, med: dict, peak: dict, held: dict, floors: tuple) -> None:
+    floor_fo, floor_fd, floor_probes = floors
     s = d.split
-    print(f"{a.model} on {d.device} ({res['dtype']}): AdapEmu = {s.student_layers} B_L + {s.messenger_layers} messenger "
-          f"layers; batch {res['batch'][0]} x {res['batch'][1]} tokens; medians of {a.repeats}")
+    print(f"{res['model']} on {d.device} ({res['dtype']}): AdapEmu = {s.student_layers} B_L + {s.messenger_layers} "
+          f"messenger layers; batch {res['batch'][0]} x {res['batch'][1]} tokens; medians of {repeats}")
     print(f"  {'measurement':<38}{'seconds':>9}{'/ plain':>9}{'/ floor':>9}{'RSS MiB':>9}{'held MiB':>9}")
     rows = [("(i)   plain PEFT LoRA step", "plain", None), ("      B  (no-grad B_L forward)", "B", None),
             ("      M  (messenger fwd+bwd)", "M", None), ("      D  (exact HVP alone)", "D", None),

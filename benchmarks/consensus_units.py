@@ -12,13 +12,17 @@ the demo's lr), two rounds of CIDERS-FO per `algorithm.consensus_space`, from th
 Each figure is the median over the clients. The correction is added to g in `paper` and `gradient` and to u
 in `update`: the ratio that says whether it is in the right units is the one against what it is added to.
 
-    python benchmarks/consensus_units.py [--config configs/demo.yaml] [--json]
+--smoke: the tiny model, one local step, 2 clients (SMOKE).
+
+--json keys: delta_over_grad_paper, delta_over_grad_gradient, delta_over_grad_update, corr_over_target_paper,
+corr_over_target_gradient, corr_over_target_update, delta_over_step_update, modes.*
+
+    python benchmarks/consensus_units.py [--config configs/demo.yaml] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -27,8 +31,11 @@ from dataclasses import replace
 from ciders.algorithms import ciders as alg
 from ciders.config import load_config
 from ciders.workloads.llm import LLMTask
+from common import ROOT, SMOKE_MODEL, add_output_flags, emit
 
 MODES = ("paper", "gradient", "update")
+SMOKE = [f"model.name={SMOKE_MODEL}", "algorithm.local_steps=1", "federation.clients=2", "data.clients_limit=12",
+         "data.eval_limit=4", "data.max_length=64"]
 
 
 def run_mode(task: LLMTask, cfg, space: str, seed: int) -> dict:
@@ -64,11 +71,11 @@ def run_mode(task: LLMTask, cfg, space: str, seed: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    over = ["takd.bootstrap_steps=0", "takd.teacher_cache=off", "data.public_limit=8", *a.set]
+    a = add_output_flags(ap).parse_args()
+    over = ["takd.bootstrap_steps=0", "takd.teacher_cache=off", "data.public_limit=8", *(SMOKE if a.smoke else []),
+            *a.set]
     cfg = load_config(a.config, over)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
@@ -82,9 +89,11 @@ def main() -> None:
         # the correction against what it is added to: g in paper / gradient, the optimizer's direction in update
         out[f"corr_over_target_{space}"] = res[space]["corr_over_step" if space == "update" else "corr_over_grad"]
     out["delta_over_step_update"] = res["update"]["delta_over_step"]
-    if a.json:
-        print(json.dumps(out, indent=1))
-        return
+    emit(out, a.json, lambda: report(out))
+
+
+def report(out: dict) -> None:
+    res = out["modes"]
     print(f"{out['model']}: {out['clients']} clients, K={out['K']}, {out['optimizer']} lr {out['lr']}, "
           f"gamma {out['gamma']}, alpha {out['alpha']} ({out['seconds']} s)")
     print(f"{'mode':10s} {'|D|/|g|':>10s} {'|D|/|u|':>10s} {'|corr|/|g|':>11s} {'|corr|/|u|':>11s} {'|u|/|g|':>9s}")

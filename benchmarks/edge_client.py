@@ -11,19 +11,23 @@ model) and warm (the node's worker keeps them), side by side:
                           (ClientApps and workers), counted with strace -f in a separate warm run (strace slows
                           every system call, so its timings are not used)
 
-    python benchmarks/edge_client.py [--models tiny,smollm2-135m] [--rounds 3] [--json]
+--smoke: the tiny model alone, 2 rounds of 1 local step (a Flower deployment: the smoke test is marked `flower`).
+
+--json keys: *.cold, *.warm, *.overhead_over_compute_warm, *.full_model_files_opened, *.open_calls_traced
+(one entry per model of --models; cold and warm each hold the figures above)
+
+    python benchmarks/edge_client.py [--models tiny,smollm2-135m] [--rounds 3] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, add_output_flags, emit, smoke
 
 CONFIG = """name: edge-client-bench
 model: {{name: {model}, dtype: float32, device: cpu}}
@@ -115,34 +119,36 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,smollm2-135m")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="local steps per round")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    out: dict = {}
+    a = smoke(add_output_flags(ap).parse_args(), models="tiny", rounds=2, steps=1)
     with tempfile.TemporaryDirectory() as t:
-        tmp = Path(t)
-        for name in a.models.split(","):
-            mdir = model_dir(name, tmp)
-            cfg = tmp / f"{name}.yaml"
-            cfg.write_text(CONFIG.format(model=mdir, rounds=a.rounds, steps=a.steps, root=ROOT))
-            row = {}
-            for mode in ("cold", "warm"):
-                row[mode] = figures(deploy(cfg, tmp / f"{name}-{mode}", tmp / f"{name}-{mode}-work", mode == "warm", None))
-            trace = tmp / f"{name}-trace" / "strace"
-            trace.parent.mkdir()
-            deploy(cfg, tmp / f"{name}-traced", tmp / f"{name}-traced-work", True, trace)
-            files, total = opened_under(trace, mdir)
-            if total == 0:
-                raise SystemExit("strace recorded no open call: the count would mean nothing")
-            row["full_model_files_opened"], row["open_calls_traced"] = len(files), total
-            row["full_model_files"] = files[:10]
-            w = row["warm"]
-            row["overhead_over_compute_warm"] = w["per_message_overhead_s"] / w["compute_s"]
-            out[name] = row
-            for d in (f"{name}-cold", f"{name}-warm", f"{name}-traced"):
-                shutil.rmtree(tmp / d, ignore_errors=True)
-    if a.json:
-        print(json.dumps(out, indent=2))
-        return
+        out = {name: measure(name, Path(t), a) for name in a.models.split(",")}
+    emit(out, a.json, lambda: report(out))
+
+
+def measure(name: str, tmp: Path, a: argparse.Namespace) -> dict:
+    """Cold and warm runs of one model, then a warm run under strace for the files opened."""
+    mdir = model_dir(name, tmp)
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(CONFIG.format(model=mdir, rounds=a.rounds, steps=a.steps, root=ROOT))
+    row = {}
+    for mode in ("cold", "warm"):
+        row[mode] = figures(deploy(cfg, tmp / f"{name}-{mode}", tmp / f"{name}-{mode}-work", mode == "warm", None))
+    trace = tmp / f"{name}-trace" / "strace"
+    trace.parent.mkdir()
+    deploy(cfg, tmp / f"{name}-traced", tmp / f"{name}-traced-work", True, trace)
+    files, total = opened_under(trace, mdir)
+    if total == 0:
+        raise SystemExit("strace recorded no open call: the count would mean nothing")
+    row["full_model_files_opened"], row["open_calls_traced"] = len(files), total
+    row["full_model_files"] = files[:10]
+    w = row["warm"]
+    row["overhead_over_compute_warm"] = w["per_message_overhead_s"] / w["compute_s"]
+    for d in (f"{name}-cold", f"{name}-warm", f"{name}-traced"):
+        shutil.rmtree(tmp / d, ignore_errors=True)
+    return row
+
+
+def report(out: dict) -> None:
     for name, row in out.items():
         print(f"{name}: full-model files opened on the client side: {row['full_model_files_opened']}")
         for mode in ("cold", "warm"):

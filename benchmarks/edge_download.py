@@ -4,12 +4,14 @@ perplexity of the AdapEmu an edge client builds from it (`models.edge`: spec, st
 load), on real held-out text (the vendored GSM8K slice), beside the full model's size; and, since AdapEmu
 before distillation is a poor model, the same rounding applied to a working model, the full model itself.
 
-    python benchmarks/edge_download.py [--model smollm2-135m] [--examples 64] [--json]
+--json keys: full_model_mib, server_adapemu_ppl, downloads.*.mib, downloads.*.edge_disk_mib, downloads.*.ppl,
+downloads.*.ppl_change, full_model_ppl.*
+
+    python benchmarks/edge_download.py [--model smollm2-135m] [--examples 64] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -20,7 +22,7 @@ from ciders.eval.metrics import perplexity
 from ciders.models import edge
 from ciders.models.edge_spec import write_spec, split_of, check_spec
 from ciders.tasks.text import batches
-from common import parser, setup
+from common import SMOKE_MODEL, emit, parser, setup, smoke
 
 
 def mib(tensors) -> float:
@@ -48,8 +50,7 @@ def edge_ppl(d, tok, feats, dtype, work: Path, batch_size: int) -> tuple[dict, f
 def main() -> None:
     ap = parser(__doc__, batch_size=8)
     ap.add_argument("--examples", type=int, default=64)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    a = smoke(ap.parse_args(), model=SMOKE_MODEL, examples=4)
     d, tok, feats = setup(a, "eval.jsonl", a.examples)
     emu = d.emulator_base_state()
     out = {"model": a.model, "examples": len(feats), "model_dtype": str(d.base.dtype).removeprefix("torch."),
@@ -75,12 +76,14 @@ def main() -> None:
             out["full_model_ppl"][str(dt).removeprefix("torch.")] = r["ppl"]
             for n, p in d.adapfu.named_parameters():
                 p.copy_(kept[n])
-    if a.json:
-        print(json.dumps(out, indent=2))
-        return
-    print(f"{a.model}: full model {out['full_model_mib']:.1f} MiB ({out['layers']['full']} layers, "
-          f"{out['model_dtype']}); AdapEmu {out['layers']['edge']} layers; {len(feats)} held-out examples, "
-          f"server-side AdapEmu PPL {ref['ppl']:.4f}")
+    assert all(math.isfinite(r["ppl"]) for r in out["downloads"].values())
+    emit(out, a.json, lambda: report(out))
+
+
+def report(out: dict) -> None:
+    print(f"{out['model']}: full model {out['full_model_mib']:.1f} MiB ({out['layers']['full']} layers, "
+          f"{out['model_dtype']}); AdapEmu {out['layers']['edge']} layers; {out['examples']} held-out examples, "
+          f"server-side AdapEmu PPL {out['server_adapemu_ppl']:.4f}")
     print(f"{'download':>10} {'MiB':>9} {'/ full':>7} {'edge disk MiB':>14} {'edge PPL':>10} {'change':>9}")
     for k, r in out["downloads"].items():
         print(f"{k:>10} {r['mib']:9.1f} {r['mib'] / out['full_model_mib']:7.3f} {r['edge_disk_mib']:14.1f} "
@@ -89,7 +92,6 @@ def main() -> None:
     print(f"the full model's PPL with its weights as held {f['as_held']:.4f}, rounded to bfloat16 {f['bfloat16']:.4f} "
           f"({100 * (f['bfloat16'] / f['as_held'] - 1):+.3f}%), to float16 {f['float16']:.4f} "
           f"({100 * (f['float16'] / f['as_held'] - 1):+.3f}%)")
-    assert all(math.isfinite(r["ppl"]) for r in out["downloads"].values())
 
 
 if __name__ == "__main__":

@@ -2,18 +2,25 @@
 PyTorch (AdapEmu) against onnxruntime (the ONNX export), measured side by side in one run, with the agreement of
 their tokens. The default model is SmolLM2-135M (2 messenger layers, drop ratio 0.5: 16 layers on the edge).
 
-    python benchmarks/edge_export.py [--model tiny-qwen2] [--new-tokens 64] [--json]
+--json keys: hf_mib, onnx_mib, gguf_mib, hf_export_s, onnx_export_s, gguf_export_s, onnx_tok_per_s, torch_tok_per_s,
+onnx_over_torch_speed, same_tokens
+
+    python benchmarks/edge_export.py [--model tiny-qwen2] [--new-tokens 64] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when imported from elsewhere
+from common import SMOKE_MODEL, add_output_flags, emit, smoke  # noqa: E402
 
 
 def _mib(paths) -> float:
@@ -26,8 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--messenger-layers", type=int, default=2)
     ap.add_argument("--drop-ratio", type=float, default=0.5)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    a = smoke(add_output_flags(ap).parse_args(argv), model=SMOKE_MODEL, new_tokens=4)
 
     from ciders.models import load as L
     from ciders.models.decompose import decompose
@@ -65,12 +71,13 @@ def main(argv=None) -> int:
     out["onnx_tok_per_s"] = a.new_tokens / out["onnx_s"]
     out["torch_tok_per_s"] = a.new_tokens / out["torch_s"]
     out["onnx_over_torch_speed"] = out["onnx_tok_per_s"] / out["torch_tok_per_s"]
-    if a.json:
-        print(json.dumps(out))
-    else:
-        for k, v in out.items():
-            print(f"{k:24s} {v:.3f}" if isinstance(v, float) else f"{k:24s} {v}")
+    emit(out, a.json, lambda: report(out))
     return 0
+
+
+def report(out: dict) -> None:
+    for k, v in out.items():
+        print(f"{k:24s} {v:.3f}" if isinstance(v, float) else f"{k:24s} {v}")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ The LoRA B matrices are drawn N(0, 0.01^2) (seeded; --lora-b-std), so the messen
 initialisation (B = 0).
 The real text is the vendored GSM8K slice.
 
-    python benchmarks/fd_accuracy.py [--models tiny-qwen2,smollm2-135m] [--json]
+--json keys: rel_err_fp32, rel_err_bf16, old_rel_err_fp32, old_rel_err_bf16, runs.*.rel_err.*, runs.*.r_fd.*,
+runs.*.r_fd_exact, runs.*.seconds.*  (rel_err_<dtype> / old_rel_err_<dtype>: the new / old rule's error on the
+headline model, SmolLM2 when it is among --models)
+
+    python benchmarks/fd_accuracy.py [--models tiny-qwen2,smollm2-135m] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -33,7 +36,7 @@ from ciders.core.metagrad import exact_hvp, fd_hvp
 from ciders.core.tensors import lincomb, norm
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.tasks.text import collate
-from common import interleaved_medians, parser, setup
+from common import SMOKE_MODEL, emit, interleaved_medians, parser, setup, smoke
 
 
 def prepare(a: argparse.Namespace, model: str, dtype: str):
@@ -127,18 +130,19 @@ def main() -> None:
     ap.add_argument("--eta-hvp", type=float, default=1e-3, help="eta_HVP of r_FD (paper 0.001)")
     ap.add_argument("--lora-b-std", type=float, default=0.01, help="std of the LoRA B draw (0 = as initialised)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    a = smoke(ap.parse_args(), models=SMOKE_MODEL, repeats=1, sweep="")
     a.sweep = [float(e) for e in a.sweep.split(",") if e]
     torch.manual_seed(0)
     runs = [measure(a, m, dt) for m in a.models.split(",") for dt in a.dtypes.split(",")]
     head = [r for r in runs if r["model"] == "smollm2-135m"] or [r for r in runs if r["model"] == runs[-1]["model"]]
     res = {"headline_model": head[0]["model"], "eps_fd": a.eps, "eta_hvp": a.eta_hvp,
-           **{f"rel_err_{('fp32' if r['dtype'] == 'float32' else 'bf16')}": r["rel_err"]["new"] for r in head},
+           **{f"{old}rel_err_{'fp32' if r['dtype'] == 'float32' else 'bf16'}": r["rel_err"][rule]
+              for r in head for old, rule in (("", "new"), ("old_", "old"))},
            "runs": runs}
-    if a.json:
-        print(json.dumps(res))
-        return
+    emit(res, a.json, lambda: report(runs))
+
+
+def report(runs: list[dict]) -> None:
     for r in runs:
         s = r["seconds"]
         print(f"{r['model']} {r['dtype']} on {r['device']}: ||v|| {r['v_norm']:.3g}, ||Hv|| {r['hv_norm']:.3g}, "

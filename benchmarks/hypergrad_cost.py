@@ -7,13 +7,16 @@ medians of `--repeats`:
   seconds   wall-clock seconds of one hypergradient
   rel_err   ||h_RAFBO - h_RABO|| / ||h_RABO|| (the two estimate the same hypergradient)
 
-    python benchmarks/hypergrad_cost.py [--config configs/cpu/rabo_fewshot.yaml] [--json]
+--smoke: one repeat at the smallest sizes on generated stand-in images (common.smoke_fewshot): no dataset needed.
+
+--json keys: rabo.seconds, rafbo.seconds, rabo.calls_g, rafbo.calls_g, rel_err, rafbo_over_rabo_seconds
+
+    python benchmarks/hypergrad_cost.py [--config configs/cpu/rabo_fewshot.yaml] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -23,6 +26,7 @@ from ciders.config import load_experiment
 from ciders.core import hypergrad as hg
 from ciders.core.tensors import lincomb, norm
 from ciders.workloads.bilevel import build
+from common import ROOT, add_output_flags, emit, smoke_fewshot
 
 
 def counted(fn, box: list):
@@ -35,12 +39,18 @@ def counted(fn, box: list):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/cpu/rabo_fewshot.yaml")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu" / "rabo_fewshot.yaml"))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    cfg = load_experiment(a.config, [])
-    task = build(cfg)
+    a = add_output_flags(ap).parse_args()
+    with smoke_fewshot(a.smoke) as sets:
+        cfg = load_experiment(a.config, sets)
+        task = build(cfg)
+    res = measure(cfg, task, 1 if a.smoke else a.repeats)
+    emit(res, a.json, lambda: report(res))
+
+
+def measure(cfg, task, repeats: int) -> dict:
+    """Both hypergradients at the same (x, y) on client 0's episode, interleaved `repeats` times."""
     x, y = task.initial()
     ep = task.outer_batch(0, 0)
     for b in task.batches(0, 0, cfg.rabo.inner_steps):  # the inner phase: y near y*(x) on this client's episode
@@ -50,7 +60,7 @@ def main() -> None:
     runs = {"rabo": "autograd", "rafbo": "fd"}
     out: dict = {m: {"seconds": [], "calls_g": 0, "calls_f": 0} for m in runs}
     hs = {}
-    for _ in range(a.repeats):
+    for _ in range(repeats):
         for m, second in runs.items():
             cg, cf = [], []
             t0 = time.perf_counter()
@@ -65,12 +75,13 @@ def main() -> None:
     diff = lincomb([(1.0, hs["rafbo"]), (-1.0, hs["rabo"])])
     res.update(rel_err=norm(diff) / norm(hs["rabo"]), rafbo_over_rabo_seconds=res["rafbo"]["seconds"] / res["rabo"]["seconds"],
                solver=r.solver, fd_delta=r.fd_delta, threads=torch.get_num_threads())
-    if a.json:
-        print(json.dumps(res, indent=1))
-        return
-    for m in runs:
+    return res
+
+
+def report(res: dict) -> None:
+    for m in ("rabo", "rafbo"):
         print(f"{m:6s} {res[m]['seconds']:.3f} s, {res[m]['calls_g']} g calls + {res[m]['calls_f']} f calls "
-              f"({res[m]['solver_iters']} {r.solver} iterations)")
+              f"({res[m]['solver_iters']} {res['solver']} iterations)")
     print(f"RAFBO / RABO seconds {res['rafbo_over_rabo_seconds']:.2f}; relative difference of the hypergradients "
           f"{res['rel_err']:.2e}")
 

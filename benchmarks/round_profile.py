@@ -4,22 +4,30 @@ cache B_F(x), TAKD pre-alignment, client steps (B_L(x) and the K meta-gradient s
 and Eqs. 11-12), TAKD (Eq. 13), evaluation, serialization (wire encode/decode) and I/O (checkpoints, client records,
 logs). Time is exclusive (a checkpoint inside TAKD is I/O), so the phases plus "other" add up to the wall time.
 
-    python benchmarks/round_profile.py [--config configs/demo.yaml] [--rounds 1] [--json] [--set KEY=VALUE ...]
+--smoke runs the same config on the tiny model with the smallest data and step counts (SMOKE).
+
+--json keys: wall_s, seconds.*, shares.*
+
+    python benchmarks/round_profile.py [--config configs/demo.yaml] [--rounds 1] [--json] [--smoke] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, SMOKE_MODEL, add_output_flags, emit
 
 from ciders.config import load_experiment
 from ciders.federation.loop import run_federation
 from ciders.phases import PHASES, profiling
 from ciders.workloads.llm import LLMTask
+
+# the demo's phases at their smallest: every phase still runs once
+SMOKE = [f"model.name={SMOKE_MODEL}", "takd.bootstrap_steps=1", "takd.round_steps=1", "data.public_limit=8",
+         "data.eval_limit=4", "data.clients_limit=12", "data.max_length=64", "algorithm.local_steps=1",
+         "federation.clients=2"]
 
 
 def main() -> None:
@@ -27,9 +35,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    cfg = load_experiment(a.config, [f"federation.rounds={a.rounds}", *a.set])
+    a = add_output_flags(ap).parse_args()
+    cfg = load_experiment(a.config, [f"federation.rounds={a.rounds}", *(SMOKE if a.smoke else []), *a.set])
     with tempfile.TemporaryDirectory() as tmp, profiling() as prof:
         out = Path(tmp) / "run"
         run_federation(cfg, LLMTask(cfg, out), out, log=lambda m: None, progress=False)
@@ -39,10 +46,12 @@ def main() -> None:
            "seconds": {n: prof.seconds[n] for n in names}, "calls": {n: prof.calls[n] for n in names},
            "shares": {n: shares[n] for n in names + ["other"]}}
     res["seconds"]["other"] = shares["other"] * prof.wall
-    if a.json:
-        print(json.dumps(res))
-        return
-    print(f"{Path(a.config).name}, {a.rounds} round(s) in-process: {prof.wall:.1f} s wall")
+    emit(res, a.json, lambda: report(res, names, prof))
+
+
+def report(res: dict, names: list[str], prof) -> None:
+    shares = res["shares"]
+    print(f"{Path(res['config']).name}, {res['rounds']} round(s) in-process: {prof.wall:.1f} s wall")
     print(f"  {'phase':<16}{'seconds':>9}{'share':>8}{'calls':>7}")
     for n in names + ["other"]:
         calls = f"{prof.calls[n]:>7}" if n in prof.calls else ""

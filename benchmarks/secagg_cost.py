@@ -10,13 +10,19 @@ Sizes: SmolLM2-135M's 2-layer messenger LoRA (r 4 on 7 projections: 81,920 param
 Qwen2.5-3B's 6-layer one (1,247,232 in 84 tensors, SPEC Table II); n clients per round, every client a
 neighbour (SecAgg) or a ring of k (SecAgg+).
 
-    python benchmarks/secagg_cost.py [--json]
+--smoke: the first setting alone (SMOKE).
+
+--json keys: up_ratio_range, down_kib_range, client_s_range, server_s_range, max_abs_error, rows.*.up_ratio,
+rows.*.kib_up_per_client, rows.*.kib_down_per_client_secagg, rows.*.client_s_mean, rows.*.server_s,
+rows.*.max_abs_error  (a range is [min, max] over the rows; down_kib: the protocol's own downlink messages per
+client, the broadcast not counted)
+
+    python benchmarks/secagg_cost.py [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +33,12 @@ from ciders.algorithms import ciders as alg
 from ciders.config import load_config
 from ciders.federation import secure
 from ciders.federation.exchange import Reply
+from common import add_output_flags, emit
 
 MESSENGERS = {"smollm2-a2": (81_920, 28), "qwen2.5-3b-a6": (1_247_232, 84)}
 SETTINGS = [("smollm2-a2", 5, None), ("smollm2-a2", 20, None), ("smollm2-a2", 50, 8),
             ("qwen2.5-3b-a6", 5, None), ("qwen2.5-3b-a6", 20, 8)]
+SMOKE = SETTINGS[:1]
 
 
 def messenger(params: int, tensors: int) -> dict:
@@ -86,18 +94,29 @@ def one_round(name: str, n: int, k: int | None, drop: str | None, root: Path) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = add_output_flags(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args()
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, n, k in SETTINGS:
+        for name, n, k in SMOKE if args.smoke else SETTINGS:
             for drop in (None, "client1"):
                 rows.append(one_round(name, n, k, drop, Path(tmp)))
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return
+    emit(summarise(rows), args.json, lambda: report(rows))
+
+
+def summarise(rows: list[dict]) -> dict:
+    """The rows, and the ranges over them that the README quotes."""
+    def span(f):
+        vals = [f(r) for r in rows]
+        return [min(vals), max(vals)]
+
+    return {"up_ratio_range": span(lambda r: r["up_ratio"]),
+            "down_kib_range": span(lambda r: r["kib_down_per_client_secagg"]),
+            "client_s_range": span(lambda r: r["client_s_mean"]), "server_s_range": span(lambda r: r["server_s"]),
+            "max_abs_error": max(r["max_abs_error"] for r in rows), "rows": rows}
+
+
+def report(rows: list[dict]) -> None:
     print(f"{'messenger':14s} {'n':>3s} {'nbrs':>4s} {'drop':>4s} {'KiB up':>9s} {'x plain':>7s} "
           f"{'KiB down*':>9s} {'client s':>8s} {'server s':>8s} {'max err':>9s}")
     for r in rows:

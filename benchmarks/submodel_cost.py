@@ -11,13 +11,17 @@ R = 1 (the full model, FedMBO's client):
 and the means over the config's capacity mix (the paper's 1, 1/2, 1/4, 1/8, 1/16 gives mean R^2 = 0.266: its
 "26.7% of FedMBO's computation and 73.3% less communication").
 
-    python benchmarks/submodel_cost.py [--config configs/cpu/rabo_fewshot.yaml] [--set task.width=64] [--json]
+--smoke: one repeat at the smallest sizes on generated stand-in images (common.smoke_fewshot): no dataset needed.
+
+--json keys: mean_over_mix.*, rows.*.flops_fraction, rows.*.params_fraction, rows.*.seconds_fraction,
+rows.*.down_fraction, rows.*.up_fraction, rows.*.seconds
+
+    python benchmarks/submodel_cost.py [--config configs/cpu/rabo_fewshot.yaml] [--set task.width=64] [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import replace
 
@@ -26,17 +30,21 @@ import torch
 from ciders.config import load_experiment
 from ciders.federation.bilevel_rounds import BilevelServer, client_phase
 from ciders.workloads.bilevel import build
-from common import interleaved_medians
+from common import ROOT, add_output_flags, emit, interleaved_medians, smoke_fewshot
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/cpu/rabo_fewshot.yaml")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu" / "rabo_fewshot.yaml"))
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. task.backbone=resnet12")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    exp = load_experiment(a.config, a.set)
+    a = add_output_flags(ap).parse_args()
+    with smoke_fewshot(a.smoke) as sets:
+        emit(*measure(load_experiment(a.config, [*sets, *a.set]), 1 if a.smoke else a.repeats, a))
+
+
+def measure(exp, repeats: int, a: argparse.Namespace):
+    """(result, --json, report) of every capacity level's client phases."""
     caps = sorted(set(exp.federation.client_capacities()), reverse=True)
     # one client per capacity level, in decreasing order (client i gets capacities[i])
     mix = exp.federation.capacities
@@ -63,7 +71,7 @@ def main() -> None:
         return run
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() and task.device.type == "cuda" else (lambda: None)
-    secs = interleaved_medians({i: phases(i) for i in ids}, a.repeats, sync)
+    secs = interleaved_medians({i: phases(i) for i in ids}, repeats, sync)
     rows = []
     for i, r in zip(ids, caps):
         cost = server.cost(i)
@@ -87,11 +95,13 @@ def main() -> None:
     summary["mean_r_squared"] = statistics.fmean(c * c for c in mix)
     out = {"config": a.config, "set": a.set, "backbone": exp.task.backbone, "width": exp.task.width,
            "rows": rows, "mix": list(mix), "mean_over_mix": summary}
-    if a.json:
-        print(json.dumps(out, indent=2))
-        return
+    return out, a.json, lambda: report(out, exp, repeats)
+
+
+def report(out: dict, exp, repeats: int) -> None:
+    rows, mix, summary = out["rows"], out["mix"], out["mean_over_mix"]
     print(f"{exp.task.backbone} width {exp.task.width}, {exp.task.n_way}-way {exp.task.k_shot}-shot; medians of "
-          f"{a.repeats} interleaved inner + outer client phases; fractions of the R = 1 client")
+          f"{repeats} interleaved inner + outer client phases; fractions of the R = 1 client")
     print(f"{'R':>8} {'flops':>7} {'params':>7} {'seconds':>8} {'down':>7} {'up':>7}   seconds (abs)")
     for row in rows:
         print(f"{row['capacity']:>8.4f} {row['flops_fraction']:>7.3f} {row['params_fraction']:>7.3f} "

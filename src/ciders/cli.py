@@ -15,7 +15,7 @@ from ciders.errors import CidersError
 
 def _cmd_plan(a: argparse.Namespace) -> int:
     from ciders.config import DEFAULT_LORA_TARGETS, LoraConfig
-    from ciders.models.plan import make_plan, render
+    from ciders.models.plan import Workload, make_plan, render
 
     targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()) if a.lora_targets else DEFAULT_LORA_TARGETS
     msg = LoraConfig(r=a.lora_rank, alpha=a.lora_alpha, targets=targets)
@@ -23,7 +23,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     msg.validate("--lora-rank"), stu.validate("--student-lora-rank")
     p = make_plan(a.model, a.messenger_layers, beta=a.beta, drop_ratio=a.drop_ratio, student_layers=a.student_layers,
                   rounding=a.rounding, messenger_lora=msg, student_lora=stu,
-                  upload_personalized_messenger=a.upload_personalized_messenger)
+                  upload_personalized_messenger=a.upload_personalized_messenger,
+                  workload=Workload(dtype=a.dtype, batch_size=a.batch_size, seq_len=a.seq_len,
+                                    takd_batch_size=a.takd_batch_size, public_examples=a.public_examples))
     print(json.dumps(p.to_dict(), indent=2) if a.json else render(p))
     return 0
 
@@ -388,6 +390,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default=None, help="comma-separated module names (default q,k,v,o,gate,up,down _proj)")
     p.add_argument("--upload-personalized-messenger", action="store_true",
                    help="count the client's messenger in the uplink (what the paper's Table VI counts)")
+    m = p.add_argument_group("peak training memory (README: Sizing machines)")
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the base weights' dtype (default: the checkpoint's)")
+    m.add_argument("--batch-size", type=_at_least(1), default=2, help="client micro-batch (algorithm.batch_size)")
+    m.add_argument("--seq-len", type=_at_least(1), default=512, help="tokens per example (data.max_length)")
+    m.add_argument("--takd-batch-size", type=_at_least(1), default=4, help="takd.batch_size")
+    m.add_argument("--public-examples", type=_at_least(1), default=500, help="examples in the teacher cache")
     p.add_argument("--json", action="store_true", help="emit JSON")
     p.set_defaults(fn=_cmd_plan)
 

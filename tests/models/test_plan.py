@@ -77,3 +77,114 @@ def test_plan_rejects_bad_input(tmp_path, capsys):
         from ciders.config import LoraConfig
 
         make_plan("tiny-llama", 2, messenger_lora=LoraConfig(targets=("nope",)))
+
+
+# ---- peak training memory (`ciders plan`'s memory model; README "Sizing machines")
+
+def _bytes(tensors) -> int:
+    """Bytes of distinct storages: a tensor that shares another's storage counts once."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_memory_terms_are_the_sizes_of_the_tensors_each_machine_holds():
+    from ciders.core import optim
+    from ciders.models.distill import TeacherCache
+    from ciders.models.plan import Workload
+
+    w = Workload(dtype="float32", batch_size=2, seq_len=32, takd_batch_size=2, public_examples=3, public_len=32)
+    mem = make_plan("tiny-qwen2", 2, drop_ratio=0.5, workload=w).memory
+    d = decompose(load_model("tiny-qwen2"), 2, drop_ratio=0.5)
+    lora = list(d.messenger_state().values()) + list(d.student_state().values())
+    lora_ids = {id(p) for p in list(d.messenger_params().values()) + list(d.student_params().values())}
+    server_base = [p for m in (d.base, d.adapemu) for p in m.parameters() if id(p) not in lora_ids]
+    mib = 2**20
+    # B_L's layers are B_F's Parameters: the server holds M* once (a double count would add B_L's layers)
+    assert mem["server"]["weights"] * mib == _bytes(server_base) == _bytes(d.base.parameters()) - _bytes(
+        [p for p in d.base.parameters() if id(p) in lora_ids])
+    assert mem["client"]["fo"]["weights"] * mib == _bytes(d.emulator_base_state().values())
+    assert mem["client"]["fo"]["lora"] * mib == mem["server"]["lora"] * mib == _bytes(lora)
+    # AdamW's m and v: the messenger's on the client, the student's in TAKD
+    assert mem["client"]["fo"]["optimizer"] * mib == _bytes(optim.adamw_init(d.messenger_state()).m.values()) * 2
+    assert mem["server"]["optimizer"] * mib == _bytes(optim.adamw_init(d.student_state()).v.values()) * 2
+    feats = [{"input_ids": list(range(1, 33)), "labels": list(range(1, 33))}] * 3
+    cache = TeacherCache.build(d, feats, pad_id=0, mode="memory")
+    assert mem["server"]["teacher_cache"] * mib == _bytes([cache.gather([k], d.device) for k in range(3)])
+    for part in (mem["client"]["fo"], mem["client"]["fd"], mem["server"]):
+        assert part["total"] == pytest.approx(sum(v for k, v in part.items() if k != "total"))
+    assert mem["client"]["fd"]["activations"] > mem["client"]["fo"]["activations"] > 0
+
+
+def test_memory_teacher_cache_spills_to_disk_above_its_limit():
+    from ciders.models.plan import Workload
+
+    small = make_plan(QWEN2_15B, 6, workload=Workload(public_examples=10, cache_memory_mib=2048)).memory
+    large = make_plan(QWEN2_15B, 6, workload=Workload(public_examples=10**5, cache_memory_mib=2048)).memory
+    assert small["server"]["teacher_cache"] == pytest.approx(10 * 512 * 1536 * 2 / 2**20)  # bfloat16 checkpoint
+    assert large["server"]["teacher_cache"] == 0.0
+
+
+@pytest.mark.parametrize("step, dtype", [("fo", "float32"), ("fd", "float32"), ("takd", "float32"),
+                                         ("fo", "bfloat16"), ("takd", "bfloat16")])
+def test_predicted_activations_are_within_25_percent_of_the_tensors_a_step_holds(step, dtype):
+    """The activation term against the tensor storage one real step allocates and holds at once (counted op by op,
+    so allocator caching does not blur it), on a small random Qwen2 where activations dominate that storage."""
+    import sys
+    from dataclasses import replace
+
+    import torch
+
+    from ciders.models.load import config_from_dict
+    from ciders.models.plan import Workload, _Shapes, _client_activations, _takd_activations
+    from ciders.models.split import split_layers
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import peak_tensor_mib
+
+    from ciders.config import TAKDConfig, CidersConfig, LoraConfig
+    from ciders.models.distill import TeacherCache, distill, init_state
+
+    cfg = config_from_dict(dict(model_type="qwen2", vocab_size=2048, hidden_size=128, intermediate_size=384,
+                                num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=512, tie_word_embeddings=True))
+    dt = getattr(torch, dtype)
+    split = split_layers(6, 2, drop_ratio=0.5)
+    B, T = 2, 128
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dt).eval()
+    d = decompose(model, 2, drop_ratio=0.5, messenger_lora=LoraConfig(), student_lora=LoraConfig())
+    g = torch.Generator().manual_seed(0)
+    feats = [{"input_ids": (ids := torch.randint(1, 2048, (T,), generator=g).tolist()),
+              "labels": [-100] * (T // 2) + ids[T // 2:]} for _ in range(B)]
+    w = Workload(batch_size=B, seq_len=T, takd_batch_size=B)
+    s = _Shapes.of(cfg)
+    b = torch.empty((), dtype=dt).element_size()
+    if step == "takd":
+        cache = TeacherCache.build(d, feats, 0, batch_size=B, mode="memory")
+        st, msg = init_state(d), d.messenger_state()
+        fn = lambda: distill(d, st, msg, feats, TAKDConfig(batch_size=B), 1, pad_id=0, cache=cache)  # noqa: E731
+        predicted = _takd_activations(s, split, b, w)
+    else:
+        from ciders.algorithms import ciders as alg
+        from ciders.models.messenger_loss import MessengerLoss
+        from ciders.tasks.text import collate
+
+        ccfg = replace(CidersConfig(), local_steps=1, metagrad=step, hvp="exact", gamma=0.01)
+        msg = d.messenger_state()
+        bc = alg.make_broadcast(ccfg, alg.init_server(msg, 10), alg.init_copy(msg))
+        batch = collate(feats, 0)
+        loss = MessengerLoss(d)
+        d.messenger_top.train()
+
+        def fn():
+            h = d.backbone_hidden(batch["input_ids"], batch["attention_mask"])
+            alg.client_update(ccfg, bc, alg.init_client("c", msg), loss, [dict(batch, hidden=h, seed=0)])
+        predicted = _client_activations(s, split, b, w, step)
+    fn()  # warm-up: first-call allocations are not the step's
+    measured = peak_tensor_mib(fn) * 2**20
+    assert 0.75 <= measured / predicted <= 1.25, (measured / 2**20, predicted / 2**20)
