@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h cpu-privacy clean
+.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h cpu-privacy cpu-lambda-task cpu-protocol-r clean
 
 # torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt pyproject.toml
@@ -89,6 +89,31 @@ cpu-protocol-h: $(STAMP)
 		--seeds 0,1,2 --out runs/cpu-protocol-h
 	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.consensus_space=paper \
 		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --out runs/cpu-protocol-h-paper
+
+# The TAKD task-weight dose-response of docs/results-cpu.md (the takd-only control, no client learning): the weight
+# in pre-alignment (round weight 0), in the per-round steps (bootstrap weight 0) and in both, on Protocols H and A,
+# 3 seeds (finished runs are reused)
+cpu-lambda-task: $(STAMP)
+	for P in protocol_h protocol_a; do \
+	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set takd.lambda_task=0 --grid takd.lambda_task_bootstrap=0,0.1,0.3,1 \
+	    --algorithms takd-only --control none --seeds 0,1,2 --metrics nll,personalized_ppl,agreement \
+	    --out runs/cpu-lambda-task/$$P-bootstrap || exit 1; \
+	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set takd.lambda_task_bootstrap=0 --grid takd.lambda_task=0.1,0.3,1 \
+	    --algorithms takd-only --control none --seeds 0,1,2 --metrics nll,personalized_ppl,agreement \
+	    --out runs/cpu-lambda-task/$$P-round || exit 1; \
+	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --grid takd.lambda_task=1 --algorithms takd-only --control none \
+	    --seeds 0,1,2 --metrics nll,personalized_ppl,agreement --out runs/cpu-lambda-task/$$P-both || exit 1; \
+	done
+
+# Protocol R of docs/results-cpu.md: only the client rule differs (shared plateau pre-alignment, the same TAKD for
+# every method, the paper's server settings, tuned client learning rates, the takd-only control), 3 seeds
+cpu-protocol-r: $(STAMP)
+	$(BIN)/ciders compare configs/cpu/protocol_r.yaml --algorithms ciders-fo,ciders-fd,fedavg,fedprox,scaffold,fedbiot \
+		--seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 10 --out runs/cpu-protocol-r
+	$(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.consensus_space=paper \
+		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 10 \
+		--out runs/cpu-protocol-r-paper
+	$(BIN)/ciders report runs/cpu-protocol-r
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

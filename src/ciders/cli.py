@@ -142,9 +142,16 @@ def _cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _control_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control", default="takd-only",
+                   help="the control row, run once per seed: a CIDERS-family method, or none (default takd-only: the "
+                        "same TAKD schedule with no client learning); the tables mark every method that does not "
+                        "beat it beyond the seed spread")
+
+
 def _cmd_compare(a: argparse.Namespace) -> int:
     from ciders.config import family_of
-    from ciders.experiments.compare import parse_methods, parse_seeds, run_compare
+    from ciders.experiments.compare import parse_control, parse_methods, parse_seeds, run_compare
 
     if family_of(Path(a.config)) == "bilevel":  # a RABO-family experiment: `ciders bilevel --seeds`
         a.methods, a.grid, a.engine = a.algorithms or "rabo,rafbo,fedmbo", [], "local"
@@ -154,14 +161,20 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     cfg = _load_cfg(a)
     methods, seeds = parse_methods(a.algorithms), parse_seeds(a.seeds)
     out = _claim(a, Path(a.out) if a.out else Path("runs") / f"compare-{cfg.name}")
-    run_compare(cfg, methods, seeds, out)
+    if a.tune:
+        from ciders.experiments.compare_tune import run_tuned_compare
+        from ciders.experiments.sweep import parse_grid
+
+        run_tuned_compare(cfg, methods, seeds, out, parse_grid(a.tune), a.tune_rounds, control=parse_control(a.control))
+    else:
+        run_compare(cfg, methods, seeds, out, control=parse_control(a.control))
     print((out / "compare.md").read_text())
     print(f"comparison directory: {out} (compare.md, compare.json; `ciders report {out}` draws it)")
     return 0
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
-    from ciders.experiments.compare import parse_methods, parse_seeds
+    from ciders.experiments.compare import parse_control, parse_methods, parse_seeds
     from ciders.experiments.sweep import parse_grid, run_sweep
 
     cfg = _load_cfg(a)
@@ -170,7 +183,8 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
         raise CidersError("sweep: give at least one --grid KEY=v1,v2")
     out = _claim(a, Path(a.out) if a.out else Path("runs") / f"sweep-{cfg.name}")
     metrics = tuple(m.strip() for m in a.metrics.split(",") if m.strip())
-    run_sweep(cfg, grid, parse_methods(a.algorithms), parse_seeds(a.seeds), out, metrics)
+    run_sweep(cfg, grid, parse_methods(a.algorithms), parse_seeds(a.seeds), out, metrics,
+              control=parse_control(a.control))
     print((out / "sweep.md").read_text())
     print(f"sweep directory: {out} (sweep.md, sweep.json, one compare directory per point)")
     return 0
@@ -449,6 +463,12 @@ def parser() -> argparse.ArgumentParser:
                         "(default ciders-fo,ciders-fd,fedbiot,fedot,localot); for a RABO-family config the "
                         "`ciders bilevel --methods` names (default rabo,rafbo,fedmbo)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (mean +- std over them)")
+    _control_arg(p)
+    p.add_argument("--tune", action="append", metavar="KEY=V1,V2",
+                   help="tune each method's client step size first, on the clients' validation parts "
+                        "(federation.validation > 0), over this grid (repeatable; the same grid and budget for "
+                        "every method), e.g. algorithm.lr=3e-4,1e-3,3e-3")
+    p.add_argument("--tune-rounds", type=int, default=None, help="rounds of each tuning run (default: the config's)")
     p.set_defaults(fn=_cmd_compare)
 
     p = sub.add_parser("sweep", help="a comparison at every point of a config grid (compression sweep, ablations)")
@@ -457,6 +477,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", default="ciders-fo,fedbiot,fedot", help="comma-separated methods")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--metrics", default="nll,stored_mib", help="columns per method (keys of ciders.report.tables.METRICS)")
+    _control_arg(p)
     p.set_defaults(fn=_cmd_sweep)
 
     p = sub.add_parser("report", help="self-contained HTML page + PNG figures for a run, compare or sweep directory")

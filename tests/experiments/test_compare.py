@@ -26,7 +26,7 @@ def cmp_dir(tmp_path_factory):
 
 def test_compare_table_is_the_mean_and_std_of_the_seeds(cmp_dir):
     res = json.loads((cmp_dir / "compare.json").read_text())
-    assert res["methods"] == ["ciders-fo", "fedavg", "localot"] and res["seeds"] == [0, 1]
+    assert res["methods"] == ["ciders-fo", "fedavg", "localot", "takd-only"] and res["seeds"] == [0, 1]  # + control
     for m in res["methods"]:
         vals = [res["per_seed"][m][s]["ppl"] for s in ("0", "1")]
         fresh = tables.final_metrics(cmp_dir / m / "seed0")
@@ -43,6 +43,27 @@ def test_compare_table_is_the_mean_and_std_of_the_seeds(cmp_dir):
         assert len({json.dumps(v, sort_keys=True) for v in infos.values()}) == 1
     cfgs = {m: load_config(cmp_dir / m / "seed0" / "config.yaml").algorithm for m in res["methods"]}
     assert cfgs["fedavg"].gamma == 0 and cfgs["localot"].communicate is False and cfgs["ciders-fo"].gamma == 0.05
+    assert cfgs["takd-only"].client_learning is False and cfgs["ciders-fo"].client_learning is True
+
+
+def test_compare_holds_every_method_against_the_control(cmp_dir):
+    res = json.loads((cmp_dir / "compare.json").read_text())
+    assert res["control"] == "takd-only"
+    vs = res["against_control"]
+    assert set(vs) == set(tables.CONTROL_METRICS)  # nll, personalized PPL and edge fidelity, all recorded
+    for k, rows in vs.items():
+        assert {r["a"] for r in rows} == {"ciders-fo", "fedavg", "localot"} and {r["b"] for r in rows} == {"takd-only"}
+        for r in rows:
+            d = [res["per_seed"][r["a"]][s][k] - res["per_seed"]["takd-only"][s][k] for s in ("0", "1")]
+            assert r["diff_mean"] == pytest.approx(statistics.fmean(d))
+    md = (cmp_dir / "compare.md").read_text()
+    assert "| takd-only (control) |" in md
+    marks = tables.control_marks(vs)
+    for m in ("ciders-fo", "fedavg", "localot"):  # a dagger exactly where the method does not beat the control
+        row = next(line for line in md.splitlines() if line.startswith(f"| {m} |"))
+        assert row.count("†") == sum((m, k) in marks for k in tables.CONTROL_METRICS)
+    assert main(["report", str(cmp_dir)]) == 0
+    assert "takd-only (control)" in (cmp_dir / "report" / "index.html").read_text()
 
 
 def test_compare_reuses_finished_runs(cmp_dir, capsys):
@@ -94,6 +115,10 @@ def test_compare_errors(tmp_path, capsys):
     assert main(["compare", TINY, "--algorithms", "ciders-fo,fedsgd", "--out", str(tmp_path)]) == 2
     assert "unknown fedsgd" in capsys.readouterr().err
     assert main(["compare", TINY, "--seeds", "0,x", "--out", str(tmp_path)]) == 2
+    assert main(["compare", TINY, "--control", "ciders-fo,fedavg", "--out", str(tmp_path)]) == 2
+    assert "--control: one method or none" in capsys.readouterr().err
+    assert main(["compare", TINY, "--control", "takd", "--out", str(tmp_path)]) == 2
+    assert "unknown takd" in capsys.readouterr().err
     assert main(["sweep", TINY, "--grid", "decomposition.drop_ratio", "--out", str(tmp_path)]) == 2
     assert main(["sweep", TINY, "--grid", "decomposition.drop_ratio=2", "--out", str(tmp_path)]) == 2
     assert "drop_ratio" in capsys.readouterr().err
@@ -156,7 +181,8 @@ def test_an_interrupted_comparison_keeps_its_table_so_far_and_reports(tmp_path):
                              "algorithm.optimizer=sgd", "algorithm.lr=0.05"])
     out = tmp_path / "cmp"
     with pytest.raises(KeyboardInterrupt):
-        run_compare(cfg, ["ciders-fo", "fedavg"], [0, 1], out, make_task=make_task, log=lambda s: None, progress=False)
+        run_compare(cfg, ["ciders-fo", "fedavg"], [0, 1], out, make_task=make_task, log=lambda s: None, progress=False,
+                    control=None)
     info = json.loads((out / "compare.json").read_text())
     assert list(info["per_seed"]["ciders-fo"]) == ["0"] and info["per_seed"]["fedavg"] == {}
     assert info["pending"] == ["fedavg/seed0", "ciders-fo/seed1", "fedavg/seed1"]

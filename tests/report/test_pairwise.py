@@ -34,3 +34,25 @@ def test_only_shared_seeds_are_paired_and_markdown_renders():
     assert rows[0]["n"] == 2 and rows[0]["diff_mean"] == pytest.approx(-1.05)
     md = tables.pairwise_markdown(rows, "nll")
     assert "| a | b | -1.0500 ± 0.0707 |" in md and md.rstrip().endswith("| a | yes |")
+
+
+def test_against_the_control_marks_every_method_that_does_not_beat_it():
+    per_seed = {
+        "good": {s: {"nll": v, "agreement": a} for s, (v, a) in enumerate([(1.0, 0.6), (1.1, 0.62), (0.9, 0.61)])},
+        "worse": {s: {"nll": v} for s, v in enumerate([2.0, 2.2, 2.1])},  # beyond the spread, the wrong way
+        "tied": {s: {"nll": v} for s, v in enumerate([1.45, 1.72, 1.35])},  # inside the spread
+        "takd-only": {s: {"nll": v, "agreement": a} for s, (v, a) in enumerate([(1.5, 0.5), (1.7, 0.52), (1.4, 0.5)])},
+    }
+    vs = tables.against_control(per_seed, "takd-only")
+    assert {r["a"]: r["beats"] for r in vs["nll"]} == {"good": True, "worse": False, "tied": False}
+    assert all(r["b"] == "takd-only" for rows in vs.values() for r in rows)
+    assert {r["a"]: r["beats"] for r in vs["agreement"]} == {"good": True}  # higher agreement is better
+    marks = tables.control_marks(vs)
+    assert marks == {("worse", "nll"), ("tied", "nll")}
+    agg = tables.aggregate(per_seed)
+    md = tables.markdown(agg, seeds=[0, 1, 2], control="takd-only", marks=marks)
+    assert "| takd-only (control) |" in md and "does not beat the takd-only control" in md
+    row = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert "†" in row["worse"] and "†" in row["tied"] and "†" not in row["good"] and "†" not in row["takd-only (control)"]
+    one_seed = tables.against_control({m: {0: v[0]} for m, v in per_seed.items()}, "takd-only")
+    assert not any(r["beats"] for rows in one_seed.values() for r in rows)  # one seed can show nothing

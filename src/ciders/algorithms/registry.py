@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
 from ciders.algorithms import (dist_maml, dist_protonet, fedavg, fedavg_notune, fedbiot, fedot, fedprox, localot,
-                               scaffold)
+                               scaffold, takd_only)
 from ciders.config import AlgorithmName
 from ciders.config.bilevel import BilevelMethod
 from ciders.errors import ConfigError
@@ -70,6 +70,7 @@ _ALL = [
     Method("fedot", "ciders", "offsite-tuning with FedAvg, B_L aligned once", fedot.configure),
     Method("fedbiot", "ciders", "FedBiOT: B_L re-aligned every round", fedbiot.configure),
     Method("localot", "ciders", "each client alone, nothing uploaded", localot.configure),
+    Method("takd-only", "ciders", "control: the TAKD schedule alone, no client learning", takd_only.configure),
     Method("rabo", "bilevel", "RABO: implicit hypergradients on importance sub-models", rabo_method="rabo"),
     Method("rafbo", "bilevel", "RAFBO: second-order free (finite differences)", rabo_method="rafbo"),
     Method("fedmbo", "bilevel", "FedMBO: every mask full", rabo_method="fedmbo", mask_rule="full"),

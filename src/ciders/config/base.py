@@ -13,7 +13,7 @@ import functools
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -128,7 +128,11 @@ class TAKDConfig:
     """Task-aware knowledge distillation, Eq. 2 (docs/method.md#eq-2-task-aware-knowledge-distillation-takd)."""
 
     lambda_out: float = opt(0.5, "lambda: weight of the forward KL(M*(x) || M(x)); 0 turns the KL term off")
-    lambda_task: float = opt(1.0, "lambda_task: weight of the task CE on response tokens; 0 turns it off")
+    lambda_task: float = opt(1.0, "lambda_task: weight of the task CE on response tokens in the per-round steps "
+                             "(Eq. 13), and in pre-alignment unless lambda_task_bootstrap says otherwise; 0 turns it "
+                             "off (docs/method.md#the-task-weight-lambda_task)")
+    lambda_task_bootstrap: float | None = opt(
+        None, "weight of the task CE during pre-alignment (takd.bootstrap_steps); null = lambda_task")
     hidden_loss: Literal["mean", "sum", "teacher_rms"] = opt(
         "mean",
         "hidden-state term: mean = MSE over tokens and hidden dims (Eq. 2 divided by hidden size); "
@@ -142,6 +146,12 @@ class TAKDConfig:
     grad_accum: int = opt(1, "micro-batches per optimizer step")
     bootstrap_steps: int = opt(60, "pre-alignment steps before round 0 (Algorithm 1 step 8)")
     round_steps: int = opt(5, "T_L: warm-started steps per round (Eq. 13)")
+    plateau_examples: int = opt(
+        0, "public examples held out of TAKD to stop pre-alignment once AdapEmu's NLL on them plateaus (then "
+        "bootstrap_steps is the cap); 0 = exactly bootstrap_steps (docs/method.md#pre-alignment-to-a-plateau)")
+    plateau_every: int = opt(10, "pre-alignment steps between two plateau checks")
+    plateau_tol: float = opt(0.01, "a check that lowers the held-out NLL by less than this (nats) counts as flat")
+    plateau_patience: int = opt(2, "flat checks in a row that end pre-alignment")
     teacher_cache: Literal["auto", "memory", "disk", "off"] = opt(
         "auto", "B_F(x) on public data never changes: keep it in memory, on disk, or recompute (off)"
     )
@@ -155,19 +165,31 @@ class TAKDConfig:
         for k in ("lambda_out", "lambda_task", "lr", "weight_decay", "max_grad_norm"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
+        if self.lambda_task_bootstrap is not None and self.lambda_task_bootstrap < 0:
+            raise ConfigError(f"takd.lambda_task_bootstrap: must be >= 0 or null (null = lambda_task), "
+                              f"got {self.lambda_task_bootstrap}")
         if self.lr == 0:
             raise ConfigError("takd.lr: must be > 0")
         for k in ("batch_size", "grad_accum"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"takd.{k}: must be >= 1, got {getattr(self, k)}")
-        for k in ("bootstrap_steps", "round_steps"):
+        for k in ("bootstrap_steps", "round_steps", "plateau_examples", "plateau_tol"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"takd.{k}: must be >= 0, got {getattr(self, k)}")
+        for k in ("plateau_every", "plateau_patience"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"takd.{k}: must be >= 1, got {getattr(self, k)}")
+
+    def bootstrap(self) -> "TAKDConfig":
+        """The settings of the pre-alignment steps: the same, with the bootstrap task weight as lambda_task."""
+        if self.lambda_task_bootstrap is None:
+            return self
+        return replace(self, lambda_task=self.lambda_task_bootstrap, lambda_task_bootstrap=None)
 
 
 # The values of `algorithm.name`, declared once; `ciders.algorithms.registry` holds what each method is and
 # checks at import that it covers exactly these (CIDERS itself runs as ciders-fo or ciders-fd).
-AlgorithmName = Literal["ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot"]
+AlgorithmName = Literal["ciders", "fedavg", "fedprox", "scaffold", "fedot", "fedbiot", "localot", "takd-only"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +237,9 @@ class CidersConfig:
     client_start: Literal["global", "personalized"] = opt(
         "global", "x_0 of a round: the broadcast messenger, or the client's own last x_K (LocalOT)")
     communicate: bool = opt(True, "false: clients train alone after alignment; nothing is uploaded (LocalOT)")
+    client_learning: bool = opt(
+        True, "false: no client is sampled or trains; the rounds run the server's TAKD schedule alone on the initial "
+        "messenger (the takd-only control of `ciders compare`; docs/method.md#the-control-takd-only)")
     server_optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi"] = opt(
         "none", "server optimizer on Eq. 12's messenger step d (docs/method.md#server-optimizers): none = Eq. 12 as "
         "it is; fedavgm = momentum; fedadam / fedyogi = Reddi et al. 2021, as Flower computes them; works with every "
@@ -367,6 +392,12 @@ class EvalConfig:
     batch_size: int = opt(8, "generation batch size (left padding, KV cache)")
     code_workers: int = opt(2, "concurrent sandboxed HumanEval-X programs")
     tasks_before: bool = opt(True, "also run eval.tasks before the first round (false: perplexities only)")
+    split: Literal["test", "validation"] = opt(
+        "test", "what the evaluations read: test = the global evaluation set and each client's held-out part; "
+        "validation = each client's validation part (federation.validation), globally and per client, for tuning")
+    fidelity: bool = opt(True, "edge fidelity in every evaluation: top-1 next-token agreement of AdapEmu with AdapFu "
+                         "(the same messenger) on the global held-out responses; costs one full-model forward over "
+                         "the global evaluation set (docs/method.md#edge-fidelity)")
 
     def validate(self) -> None:
         check_choices(self, "eval")
@@ -387,6 +418,9 @@ class FederationConfig:
         "(Flower deployment; docs/flower.md#each-node-brings-its-own-data)")
     dirichlet_alpha: float = opt(0.5, "Dirichlet concentration (Protocol C: 0.1 and 0.4); smaller = more skewed")
     holdout: float = opt(0.2, "fraction of each client's examples held out for its personalized evaluation")
+    validation: float = opt(0.0, "fraction of each client's examples held out as its validation part (after the "
+                            "held-out one; never trained on): what eval.split=validation evaluates, for tuning "
+                            "(`ciders compare --tune`)")
     per_round: int | None = opt(None, "clients sampled per round (partial participation); null = all")
     rounds: int = opt(3, "T: communication rounds")
     eval_every: int = opt(1, "evaluate every N rounds (0 = only before the first and after the last)")
@@ -424,6 +458,9 @@ class FederationConfig:
             raise ConfigError(f"federation.per_round: must be in [1, clients={self.clients}] or null, got {self.per_round}")
         if not 0 <= self.holdout < 1:
             raise ConfigError(f"federation.holdout: must be in [0, 1), got {self.holdout}")
+        if not 0 <= self.validation < 1 or self.holdout + self.validation >= 1:
+            raise ConfigError(f"federation.validation: must be in [0, 1) with holdout + validation < 1 (something "
+                              f"must be left to train on), got {self.validation} with holdout {self.holdout}")
         for k in ("eval_every", "checkpoint_keep", "store_cache"):
             if getattr(self, k) < (0 if k == "eval_every" else 1):
                 raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
@@ -528,6 +565,9 @@ class ExperimentConfig:
         if data.task != "custom" and any(getattr(data, k) for k in ("prompt_key", "response_key", "label_key")):
             raise ConfigError(f"data.prompt_key / response_key / label_key are for data.task=custom; the named task "
                               f"{data.task} knows its own fields")
+        if self.eval.split == "validation" and (fed.validation == 0 or fed.partition == "nodes"):
+            raise ConfigError("eval.split=validation reads the clients' validation parts: set federation.validation "
+                              "> 0 (e.g. 0.2), on a partition the server holds (not nodes)")
         if data.task != "custom" and fed.partition in ("files", "nodes"):
             raise ConfigError(f"federation.partition={fed.partition} is for data.task=custom")
         if fed.partition == "nodes" and self.algorithm.weighting != "uniform":

@@ -66,3 +66,30 @@ def perplexity(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> 
     model.train(was_training)
     nll = total / max(count, 1)
     return {"ppl": math.exp(nll) if count else float("nan"), "nll": nll, "tokens": count}
+
+
+@torch.inference_mode()
+def top1_agreement(model_a: nn.Module, model_b: nn.Module, batches: Iterable[dict[str, torch.Tensor]]) -> dict:
+    """Edge fidelity: the fraction of target (response) positions at which the two models' greedy next tokens
+    agree, argmax model_a(x)[t] == argmax model_b(x)[t] where labels[t + 1] is a target, with the count it is over
+    (docs/method.md#edge-fidelity). Both heads run only at the positions a target follows (`target_positions`)
+    where the models take `logits_to_keep`. Every batch is read once by both models, so it may be a generator."""
+    modes = [(m, m.training) for m in (model_a, model_b)]
+    for m, _ in modes:
+        m.eval()
+    same, count = 0, 0
+    for b in batches:
+        if b["labels"].numel() == 0:
+            continue
+        keep = target_positions(b["labels"])
+        mask = b["labels"][:, keep + 1] != IGNORE  # [B, P]
+        tops = []
+        for m in (model_a, model_b):
+            kw = {"logits_to_keep": keep} if keeps_logits(m) else {}
+            lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits
+            tops.append(lg.argmax(-1) if kw else lg[:, keep].argmax(-1))
+        same += int(((tops[0] == tops[1]) & mask).sum())
+        count += int(mask.sum())
+    for m, was in modes:
+        m.train(was)
+    return {"agreement": same / count if count else float("nan"), "tokens": count}

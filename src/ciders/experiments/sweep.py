@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ciders.config import ExperimentConfig, apply_overrides, from_dict, to_dict
-from ciders.experiments.compare import run_compare
+from ciders.experiments.compare import CONTROL, run_compare
 from ciders.errors import CidersError
 from ciders.fileio import write_json, write_text
 from ciders.report import tables
@@ -45,7 +45,7 @@ def points(cfg, grid: list[tuple[str, list[str]]], cls: type = ExperimentConfig)
 
 def run_sweep(cfg: ExperimentConfig, grid: list[tuple[str, list[str]]], methods: list[str], seeds: list[int],
               out: str | Path, metrics: tuple[str, ...] = DEFAULT_METRICS, make_task: Callable | None = None,
-              log: Callable[[str], None] = print, progress: bool = True) -> dict:
+              log: Callable[[str], None] = print, progress: bool = True, control: str | None = CONTROL) -> dict:
     out = Path(out)
     bad = [m for m in metrics if m not in tables.METRICS]
     if bad:
@@ -54,12 +54,15 @@ def run_sweep(cfg: ExperimentConfig, grid: list[tuple[str, list[str]]], methods:
     pts = points(cfg, grid)
     for i, (name, c) in enumerate(pts):
         log(f"== sweep point {i + 1}/{len(pts)}: {name}")
-        res = run_compare(c, methods, seeds, out / name, make_task=make_task, log=log, progress=progress)
+        res = run_compare(c, methods, seeds, out / name, make_task=make_task, log=log, progress=progress,
+                          control=control)
         kw = c.decomposition.split_kwargs()  # the point's drop ratio (1 - beta; None when n' is given)
         rows.append({"point": name, "values": dict(kv.split("=", 1) for kv in name.split(",")),
                      "aggregate": res["aggregate"],
                      "drop_ratio": kw.get("drop_ratio", 1 - kw["beta"] if "beta" in kw else None)})
-    result = {"config": cfg.name, "grid": grid, "methods": methods, "seeds": seeds, "metrics": list(metrics), "rows": rows}
+    methods = res["methods"] if pts else methods  # with the control row, when one was added
+    result = {"config": cfg.name, "grid": grid, "methods": methods, "seeds": seeds, "metrics": list(metrics),
+              "rows": rows, "control": control}
     write_json(out / "sweep.json", result)
     write_text(out / "sweep.md", markdown(result))
     return result

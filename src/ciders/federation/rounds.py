@@ -255,14 +255,18 @@ class Coordinator:
     def begin(self, t: int) -> InFlight:
         if t != self.state.committed + 1:
             raise CidersError(f"round {t} cannot start: round {self.state.committed} is the last committed one")
-        sampled = tuple(sample_clients(self.ids, self.cfg.federation.per_round, self.cfg.seed, t))
+        # the takd-only control samples nobody: the round is TAKD on the unchanged messenger, then evaluation
+        pool = self.ids if self.cfg.algorithm.client_learning else []
+        sampled = tuple(sample_clients(pool, self.cfg.federation.per_round, self.cfg.seed, t))
         self.round = InFlight(t, sampled, time.perf_counter(), self.task.downlink_extra(self.state.extra),
                               next=self.state)
         return self.round
 
     def phases(self, t: int) -> tuple[str, ...]:
-        # in a private mode the personalized messengers stay on the clients (docs/privacy.md)
-        return ("train", "report") if self.eval_due(t) and not dp.private_records(self.cfg) else ("train",)
+        # in a private mode the personalized messengers stay on the clients (docs/privacy.md); without client
+        # learning (takd-only) there are none to report
+        report = self.eval_due(t) and not dp.private_records(self.cfg) and self.cfg.algorithm.client_learning
+        return ("train", "report") if report else ("train",)
 
     def messages(self, phase: str, t: int) -> dict[str, bytes]:
         if phase == "report":

@@ -302,8 +302,9 @@ class Console(Sink):
         parts = [round_label(t, self.rounds) + (" (before the first round)" if t < 0 else "")]
         if self._eval is not None:
             parts.append(headline(self._eval))
-        if self._round is not None:
-            parts.append(f"client loss {self._round['loss']:.4f}")
+        if self._round is not None:  # a round that sampled nobody (the takd-only control) has no client loss
+            parts.append(f"client loss {self._round['loss']:.4f}" if self._round.get("clients", True)
+                         else "no client learning")
         parts.append(f"{seconds:.1f} s")
         if t >= 0:
             parts.append(f"{self.mib:.2f} MiB so far")

@@ -443,16 +443,20 @@ def compare_page(root: Path, page: Page) -> str:
     page.section("Comparison table")
     if keys:
         rk = {k: tables.ranks(agg, k) for k in keys}
+        control, marks = info.get("control"), tables.control_marks(info.get("against_control") or {})
         rows = []
         for m, v in agg.items():
-            cells = [esc(m)]
+            cells = [esc(f"{m} (control)" if m == control else m)]
             for k in keys:
                 s = spread(k, v.get(k))
                 r = rk[k].get(m)
-                cells.append(f"<b>{s}</b>" if r == 1 else f"<u>{s}</u>" if r == 2 else s)
+                cells.append((f"<b>{s}</b>" if r == 1 else f"<u>{s}</u>" if r == 2 else s)
+                             + (" †" if (m, k) in marks else ""))
             rows.append(cells)
         page.add(f'<p class="note">Final evaluation, mean ± sample std over seeds {esc(", ".join(map(str, info["seeds"])))}'
-                 " (the std where a method has several seeds); <b>best</b>, <u>second</u> at the shown precision.</p>")
+                 " (the std where a method has several seeds); <b>best</b>, <u>second</u> at the shown precision."
+                 + (f" † : does not beat the {esc(control)} control (the same TAKD schedule, no client learning) "
+                    "beyond the seed spread on that metric." if control in agg else "") + "</p>")
         page.add(table(["method"] + [label(k) for k in keys], rows))
     else:
         page.missing("comparison metrics")

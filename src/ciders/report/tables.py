@@ -15,6 +15,7 @@ METRICS: dict[str, tuple[str, int, float, str]] = {
     "ppl": ("AdapEmu PPL (global eval)", -1, 1.0, "{:.3f}"),
     "nll": ("AdapEmu response NLL (global eval)", -1, 1.0, "{:.4f}"),
     "personalized_ppl": ("personalized PPL (own held-out)", -1, 1.0, "{:.3f}"),
+    "agreement": ("edge fidelity: AdapEmu = AdapFu top-1 %", +1, 100.0, "{:.2f}"),
     "gsm8k": ("GSM8K acc. %", +1, 100.0, "{:.2f}"),
     "gsm8k_strict_match": ("GSM8K acc. % (lm-eval strict-match)", +1, 100.0, "{:.2f}"),
     "gsm8k_flexible_extract": ("GSM8K acc. % (lm-eval flexible-extract)", +1, 100.0, "{:.2f}"),
@@ -68,6 +69,8 @@ def metrics_of(ev: dict) -> dict[str, float]:
     pers = [r["personalized"]["nll"] for r in ev.get("clients", {}).values() if "personalized" in r]
     if pers:
         out["personalized_ppl"] = math.exp(sum(pers) / len(pers))
+    if ev.get("fidelity", {}).get("tokens"):
+        out["agreement"] = ev["fidelity"]["agreement"]
     if "exact_match" in ev.get("gsm8k", {}):
         out["gsm8k"] = ev["gsm8k"]["exact_match"]
         out.update({f"gsm8k_{k}": ev["gsm8k"][k] for k in ("strict_match", "flexible_extract") if k in ev["gsm8k"]})
@@ -152,7 +155,36 @@ def ranks(agg: dict, metric: str) -> dict[str, int]:
     return {m: order.index(x) + 1 for m, x in shown.items() if order.index(x) < 2}
 
 
-def markdown(agg: dict, title: str = "", seeds: list[int] | None = None) -> str:
+CONTROL_METRICS = ("nll", "personalized_ppl", "agreement")  # the figures every method is held against the control on
+
+
+def against_control(per_seed: dict[str, dict[int, dict[str, float]]], control: str) -> dict[str, list[dict]]:
+    """{metric: pairwise rows (a = each other method, b = `control`)} over CONTROL_METRICS, each row with `beats`:
+    the method is better than the control beyond the seed spread (`pairwise`'s `exceeds`, in its favour)."""
+    out = {}
+    for k in CONTROL_METRICS:
+        rows = []
+        for m in per_seed:
+            if m == control:
+                continue
+            for r in pairwise({m: per_seed[m], control: per_seed.get(control, {})}, k):
+                if r["a"] != m:  # pairwise orders the pair as given; keep a = the method
+                    continue
+                rows.append({**r, "beats": r["exceeds"] and r["better"] == m})
+        if rows:
+            out[k] = rows
+    return out
+
+
+def control_marks(vs: dict[str, list[dict]]) -> set[tuple[str, str]]:
+    """(method, metric) pairs on which the method does not beat the control beyond the seed spread."""
+    return {(r["a"], k) for k, rows in vs.items() for r in rows if not r["beats"]}
+
+
+def markdown(agg: dict, title: str = "", seeds: list[int] | None = None, control: str | None = None,
+             marks: set[tuple[str, str]] = frozenset()) -> str:
+    """The comparison table; with a `control`, its row is labelled and each (method, metric) cell in `marks` gets
+    a dagger: that method does not beat the control there beyond the seed spread (`against_control`)."""
     metrics = [k for k in METRICS if any(k in v for v in agg.values())]
     rk = {k: ranks(agg, k) for k in metrics}
     head = ["method"] + [METRICS[k][0] + {1: " ↑", -1: " ↓", 0: ""}[METRICS[k][1]] for k in metrics]
@@ -161,7 +193,7 @@ def markdown(agg: dict, title: str = "", seeds: list[int] | None = None) -> str:
         lines += [f"mean ± std over seeds {', '.join(map(str, seeds))}; **best**, <u>second</u> at the shown precision.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, v in agg.items():
-        cells = [method]
+        cells = [f"{method} (control)" if method == control else method]
         for k in metrics:
             if k not in v:
                 cells.append("–")
@@ -169,8 +201,14 @@ def markdown(agg: dict, title: str = "", seeds: list[int] | None = None) -> str:
             _, _, scale, fmt = METRICS[k]
             s = f"{fmt.format(v[k]['mean'] * scale)} ± {fmt.format(v[k]['std'] * scale)}"
             r = rk[k].get(method)
-            cells.append(f"**{s}**" if r == 1 else f"<u>{s}</u>" if r == 2 else s)
+            dagger = " †" if (method, k) in marks else ""
+            cells.append((f"**{s}**" if r == 1 else f"<u>{s}</u>" if r == 2 else s) + dagger)
         lines.append("| " + " | ".join(cells) + " |")
+    if control is not None and control in agg:
+        lines += ["", f"† does not beat the {control} control (the same TAKD schedule with no client learning) beyond "
+                  "the seed spread on that metric: the difference of means is not larger than both seed stds with the "
+                  "same sign in every seed" + (" (one seed: nothing can beat it)" if seeds and len(seeds) < 2 else "")
+                  + "."]
     return "\n".join(lines) + "\n"
 
 

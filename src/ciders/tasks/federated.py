@@ -11,6 +11,7 @@ data.per_label; the client part partitioned iid / natural / dirichlet through fl
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ class FederatedData:
     global_eval_raw: list[dict]  # the evaluation records as loaded (for generation metrics)
     train: dict[str, list[dict]]
     heldout: dict[str, list[dict]]
+    validation: dict[str, list[dict]] = field(default_factory=dict)  # federation.validation: never trained on
     eval_by_label: dict[str, list[dict]] = field(default_factory=dict)
     client_label: dict[str, str] = field(default_factory=dict)  # natural partitions: the client's label
     info: dict = field(default_factory=dict)
@@ -180,23 +182,28 @@ def _load_named(cfg: ExperimentConfig, reports: dict[str, DataReport]) -> _Parts
 
 
 def tokenize_clients(shards: list[list[Example]], natural: list[str], tok: Any, ml: int,
-                      holdout: float) -> tuple[dict, dict, dict, dict]:
-    """Each shard's held-out head and training rest as features, with per-client counts for the record."""
-    train, heldout, part = {}, {}, {}
+                     holdout: float, validation: float = 0.0) -> tuple[dict, dict, dict, dict, dict]:
+    """Each shard's held-out head, then its validation part (`validation` of it; none by default), and the training
+    rest as features, with per-client counts for the record."""
+    train, heldout, valid, part = {}, {}, {}, {}
     client_label = {}
     for i, shard in enumerate(shards):
         cid = f"client{i}"
-        n_hold = int(round(len(shard) * holdout))
-        rep_h, rep_t = DataReport(f"{cid} heldout"), DataReport(f"{cid} train")
-        feats_h, feats_t = tokenize(shard[:n_hold], tok, ml, rep_h), tokenize(shard[n_hold:], tok, ml, rep_t)
+        n_hold, n_val = int(round(len(shard) * holdout)), int(round(len(shard) * validation))
+        reps = [DataReport(f"{cid} {k}") for k in ("heldout", "validation", "train")]
+        cuts = (shard[:n_hold], shard[n_hold:n_hold + n_val], shard[n_hold + n_val:])
+        feats_h, feats_v, feats_t = (tokenize(c, tok, ml, r) for c, r in zip(cuts, reps))
         if not feats_t:
-            raise CidersError(f"{cid} has no training examples after the holdout split ({rep_t.summary()})")
+            raise CidersError(f"{cid} has no training examples after the holdout split ({reps[2].summary()})")
         train[cid], heldout[cid] = feats_t, feats_h
-        part[cid] = {"train": len(feats_t), "heldout": len(feats_h), "truncated": rep_h.truncated + rep_t.truncated,
-                     "skipped": dict(rep_h.skipped + rep_t.skipped)}
+        part[cid] = {"train": len(feats_t), "heldout": len(feats_h), "truncated": sum(r.truncated for r in reps),
+                     "skipped": dict(sum((r.skipped for r in reps), Counter()))}
+        if validation:
+            valid[cid] = feats_v
+            part[cid]["validation"] = len(feats_v)
         if natural:
             client_label[cid] = natural[i]
-    return train, heldout, part, client_label
+    return train, heldout, part, client_label, valid
 
 
 def _eval_by_label(ev: list[Example], eval_labels: list[str | None], tok: Any, ml: int) -> dict[str, list[dict]]:
@@ -219,14 +226,15 @@ def build(cfg: ExperimentConfig, tok: Any) -> FederatedData:
     public = tokenize(parts.pub, tok, ml, tok_reports["public"])
     global_eval = tokenize(parts.ev, tok, ml, tok_reports["eval"])
     if fed.partition == "nodes":  # known to the server by id only
-        train, heldout, part, client_label = ({f"client{i}": [] for i in range(fed.clients)},
-                                              {f"client{i}": [] for i in range(fed.clients)}, {}, {})
+        train, heldout, part, client_label, valid = ({f"client{i}": [] for i in range(fed.clients)},
+                                                     {f"client{i}": [] for i in range(fed.clients)}, {}, {}, {})
     else:
-        train, heldout, part, client_label = tokenize_clients(parts.shards, parts.natural, tok, ml, fed.holdout)
+        train, heldout, part, client_label, valid = tokenize_clients(parts.shards, parts.natural, tok, ml, fed.holdout,
+                                                                     fed.validation)
     if not public or not global_eval:
         raise CidersError("public or evaluation data is empty after tokenization")
     eval_by_label = _eval_by_label(parts.ev, parts.eval_labels, tok, ml)
     info = {"reports": {k: r.to_dict() for k, r in reports.items()},
             "tokenization": {k: r.to_dict() for k, r in tok_reports.items()}, "partition": part,
             "split": parts.split_info, "partition_kind": fed.partition, "max_length": ml, "client_label": client_label}
-    return FederatedData(public, global_eval, parts.ev_raw, train, heldout, eval_by_label, client_label, info)
+    return FederatedData(public, global_eval, parts.ev_raw, train, heldout, valid, eval_by_label, client_label, info)

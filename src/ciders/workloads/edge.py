@@ -128,8 +128,9 @@ class EdgeTask(ClientSide):
 
         dc = self.cfg.data
         ex, _ = load_examples(str(path), dc.format, dc.clients_limit, **data_kw(dc))
-        train, *_ = tokenize_clients([ex], [], self.tok, dc.max_length, self.cfg.federation.holdout)
-        return train["client0"]  # its held-out head (federation.holdout) is left out of training
+        fed = self.cfg.federation
+        train, *_ = tokenize_clients([ex], [], self.tok, dc.max_length, fed.holdout, fed.validation)
+        return train["client0"]  # its held-out head and validation part are left out of training
 
     def downlink_reference(self) -> dict:
         """As `ClientSide`'s, with the emulator in the dtype the spec says it travels in."""

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from ciders.config import ExperimentConfig
-from ciders.eval.metrics import perplexity
+from ciders.errors import CidersError
+from ciders.eval.metrics import perplexity, top1_agreement
 from ciders.federation import console
 from ciders.fileio import write_json
 from ciders.models.distill import TAKDState, TeacherCache, distill, init_state, takd_from_record, takd_record
@@ -69,7 +70,14 @@ class LLMTask(ClientSide):
     def _load_data(self, out: Path) -> None:
         self.data = federated.build(self.cfg, self.tok)
         self.public, self.global_eval = self.data.public, self.data.global_eval
+        n = self.cfg.takd.plateau_examples  # held out of TAKD: they decide when pre-alignment has plateaued
+        if n and n >= len(self.public):
+            raise CidersError(f"takd.plateau_examples={n} leaves no public data for TAKD ({len(self.public)} examples)")
+        self.plateau_set, self.public = self.public[:n], self.public[n:]
         self.train, self.heldout = self.data.train, self.data.heldout
+        if self.cfg.eval.split == "validation":  # tuning: every evaluation reads the validation parts instead
+            self.heldout = self.data.validation
+            self.global_eval = [f for cid in sorted(self.heldout) for f in self.heldout[cid]]
         write_json(out / "data.json", self.data.info)
 
     # ------------------------------------------------------------------ task protocol
@@ -99,11 +107,26 @@ class LLMTask(ClientSide):
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.3f}")
 
-        st, hist = distill(self.d, init_state(self.d), self.d.messenger_state(), self.public, tc, tc.bootstrap_steps,
-                           pad_id=self.pad, seed=self.cfg.seed, cache=self.cache, on_step=on_step)
+        msg = self.d.messenger_state()
+        st, hist, curve = init_state(self.d), [], []
+        # in chunks of plateau_every steps when a plateau set is held out (the same steps as one call: each step's
+        # batch and dropout derive from (seed, step)); the bootstrap's own task weight (takd.lambda_task_bootstrap)
+        chunk = tc.plateau_every if self.plateau_set else max(tc.bootstrap_steps, 1)
+        while len(hist) < tc.bootstrap_steps and not _flat(curve, tc.plateau_tol, tc.plateau_patience):
+            st, h = distill(self.d, st, msg, self.public, tc.bootstrap(), min(chunk, tc.bootstrap_steps - len(hist)),
+                            pad_id=self.pad, seed=self.cfg.seed, cache=self.cache, on_step=on_step)
+            hist += h
+            if self.plateau_set:
+                self.d.load_student(st.student)
+                curve.append({"step": len(hist), "nll": self._ppl(msg, self.plateau_set)["nll"]})
         bar.close()
         t, m = takd_record(st)
-        pre = {"steps": tc.bootstrap_steps, **({"first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]} if hist else {})}
+        pre = {"steps": len(hist), **({"first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]} if hist else {})}
+        if curve:
+            pre["plateau_curve"] = curve
+            self.log(f"TAKD pre-alignment: {len(hist)} steps, held-out NLL " + " -> ".join(
+                f"{c['nll']:.3f}" for c in curve) + (" (plateau)" if _flat(curve, tc.plateau_tol, tc.plateau_patience)
+                                                     else " (cap: takd.bootstrap_steps)"))
         return t, m, pre
 
     def extra_from_record(self, tensors: dict, meta: dict) -> TAKDState:
@@ -198,15 +221,23 @@ class LLMTask(ClientSide):
         tasks = self.cfg.eval.tasks if t >= 0 or self.cfg.eval.tasks_before else ()
         local = not self.cfg.algorithm.communicate and pers
         held = sum(len(self.heldout[c]) for c in (pers if local else self.train) if self.heldout.get(c))
-        n = (len(pers) if local else 1) * len(self.global_eval) + held  # examples through the model (ppl)
+        # examples through the model: ppl of each messenger on the global set (and its fidelity), the held-out parts
+        n = (len(pers) if local else 1) * len(self.global_eval) * (1 + self.cfg.eval.fidelity) + held
         with console.bar(total=n, desc=f"round {t} evaluation", unit="ex", leave=False) as self._eval_bar:
             try:
                 return self._evaluate_local(server, pers, tasks) if local else self._evaluate(server, pers, tasks)
             finally:
                 self._eval_bar = None
 
+    def _fidelity(self, messenger: dict) -> dict:
+        """Top-1 next-token agreement of AdapEmu with AdapFu, both with `messenger`, on the global held-out set."""
+        self.d.load_messenger(messenger)
+        return top1_agreement(self.d.adapemu, self.d.adapfu, self._batches(self.global_eval))
+
     def _evaluate(self, server, pers: dict, tasks) -> dict:
         out = {"global": self._ppl(server.messenger, self.global_eval), "clients": {}}
+        if self.cfg.eval.fidelity:
+            out["fidelity"] = self._fidelity(server.messenger)
         for cid in sorted(self.train):
             if not self.heldout[cid]:
                 continue
@@ -215,6 +246,8 @@ class LLMTask(ClientSide):
             row = {"global": figures[0]}
             if cid in pers:
                 row["personalized"] = figures[1]
+            elif not self.cfg.algorithm.client_learning:  # takd-only: a client's model is the global one
+                row["personalized"] = figures[0]
             out["clients"][cid] = row
         for name in tasks:  # scheduled task evaluations of the AdapEmu path
             out[name] = self._task(name, server.messenger, pers)
@@ -225,6 +258,8 @@ class LLMTask(ClientSide):
         runs = []
         for cid, m in sorted(pers.items()):
             r = {"global": self._ppl(m, self.global_eval)}
+            if self.cfg.eval.fidelity:
+                r["fidelity"] = self._fidelity(m)
             for name in tasks:
                 if name != "nll_matrix":
                     r[name] = self._task(name, m, {})
@@ -251,6 +286,14 @@ class LLMTask(ClientSide):
         """The run's final global messenger and student LoRA as PEFT directories (for `ciders export`)."""
         self.d.save_messenger(Path(out) / "adapters" / "messenger", server.messenger)
         self.d.save_student(Path(out) / "adapters" / "student", extra.student)
+
+
+def _flat(curve: list[dict], tol: float, patience: int) -> bool:
+    """The last `patience` checks each lowered the held-out NLL by less than `tol` (from the check before it)."""
+    if len(curve) <= patience:
+        return False
+    nll = [c["nll"] for c in curve[-patience - 1:]]
+    return all(a - b < tol for a, b in zip(nll, nll[1:]))
 
 
 def _mean_tree(trees: list):

@@ -85,7 +85,7 @@ def _bootstrap(cfg: ExperimentConfig, d: Decomposition, public: list[dict], pad:
         bar.set_postfix(loss=f"{rec['loss']:.3f}", hid=f"{rec['hidden']:.3f}", kl=f"{rec['kl']:.3f}", ce=f"{rec['ce']:.3f}")
 
     t0 = time.perf_counter()
-    state, hist = distill(d, state, messenger, public, tc, tc.bootstrap_steps, pad_id=pad, seed=cfg.seed,
+    state, hist = distill(d, state, messenger, public, tc.bootstrap(), tc.bootstrap_steps, pad_id=pad, seed=cfg.seed,
                           cache=cache, on_step=on_step)
     bar.close()
     return messenger, state, hist, time.perf_counter() - t0
@@ -170,15 +170,17 @@ def render_summary(s: dict) -> str:
 
 
 def key(cfg: ExperimentConfig, public: list[dict]) -> str:
-    """What the pre-alignment depends on, hashed: the model, decomposition, LoRA and TAKD settings (all but
-    the per-round and storage ones), the seed, the code version and the public examples' tokens."""
+    """What the pre-alignment depends on, hashed: the model, decomposition, LoRA and TAKD settings as the
+    bootstrap steps use them (all but the per-round and storage ones; the task weight is the bootstrap's), the
+    seed, the code version and the public examples' tokens."""
     import hashlib
     import json
 
     import ciders
     from ciders.config import to_dict
 
-    takd = {k: v for k, v in to_dict(cfg.takd).items() if k not in ("round_steps", "teacher_cache", "cache_memory_mib")}
+    takd = {k: v for k, v in to_dict(cfg.takd.bootstrap()).items()
+            if k not in ("round_steps", "teacher_cache", "cache_memory_mib", "lambda_task_bootstrap")}
     h = hashlib.sha256(json.dumps({"model": to_dict(cfg.model), "decomposition": to_dict(cfg.decomposition),
                                    "lora": to_dict(cfg.lora), "takd": takd, "seed": cfg.seed,
                                    "version": ciders.__version__}, sort_keys=True).encode())

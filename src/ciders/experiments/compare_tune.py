@@ -1,0 +1,121 @@
+"""`ciders compare CONFIG --algorithms ... --seeds ... --tune KEY=v1,v2 [--tune ...] [--tune-rounds R]`: every
+method's client step sizes tuned on the clients' validation parts with the same grid and budget, then the chosen
+settings compared over the seeds on the test parts (docs/method.md#fair-tuning-ciders-compare---tune).
+
+  1. The validation parts: federation.validation of each client's examples, after its held-out part, never trained
+     on (`tasks.federated.tokenize_clients`). Tuning runs and final runs set it alike, so they train on the same
+     examples; the tuning runs evaluate the validation parts (eval.split = validation), the final runs the test
+     parts (the global evaluation set and each client's held-out part).
+  2. Every method with client learning runs every grid point once, at the config's seed, for `tune_rounds` rounds
+     (default: the config's). Its score is the global response NLL on the validation parts after the last round;
+     the lowest wins, ties going to the first point in grid order. The budget (grid points) is the same for every
+     method. The control (no client learning) has no client step size and is not tuned.
+  3. The final comparison (`run_compare`) runs each method with its winner at every seed.
+
+Layout: OUT/tune/<method>/<point>/ (one `run_compare` directory per point, reused when finished), OUT/tune.json
+and OUT/tune.md, then OUT/<method>/seed<s> as a plain comparison; all share OUT/prealign.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from ciders.config import ExperimentConfig
+from ciders.errors import ConfigError
+from ciders.experiments.compare import CONTROL, run_compare
+from ciders.experiments.sweep import points
+from ciders.fileio import write_json, write_text
+
+TUNE_METRIC = "nll"  # global response NLL on the validation parts, lower is better
+
+
+def tuning_config(cfg: ExperimentConfig, rounds: int | None) -> ExperimentConfig:
+    """The tuning runs' config: evaluations on the validation parts, perplexities only, `rounds` rounds."""
+    if cfg.federation.validation == 0:
+        raise ConfigError("--tune scores each setting on the clients' validation parts: set federation.validation "
+                          "(e.g. --set federation.validation=0.2); the final runs keep the same training data")
+    if rounds is not None and rounds < 1:
+        raise ConfigError(f"--tune-rounds: must be >= 1, got {rounds}")
+    ev = replace(cfg.eval, split="validation", tasks=(), fidelity=False)
+    fed = replace(cfg.federation, rounds=rounds or cfg.federation.rounds, eval_every=0)
+    return replace(cfg, eval=ev, federation=fed).validate()
+
+
+def _learns(cfg: ExperimentConfig, method: str) -> bool:
+    from ciders import algorithms
+
+    return algorithms.configure(cfg, method).algorithm.client_learning
+
+
+def tune(cfg: ExperimentConfig, methods: list[str], grid: list[tuple[str, list[str]]], out: Path,
+         rounds: int | None = None, make_task: Callable | None = None, log: Callable[[str], None] = print,
+         progress: bool = True) -> dict:
+    """Every grid point for every method with client learning; {method: {"winner": [KEY=VALUE], "scores": ...}}."""
+    base = tuning_config(cfg, rounds)
+    pts = points(base, grid)
+    if make_task is None:
+        from ciders.workloads.llm import LLMTask
+
+        def make_task(c, o):  # the tuning and the final runs share one pre-alignment per seed
+            return LLMTask(c, o, log=log, prealign_cache=out / "prealign")
+
+    result = {}
+    for m in methods:
+        if not _learns(cfg, m):
+            continue
+        scores = []
+        for i, (name, c) in enumerate(pts):
+            log(f"== tuning {m}, point {i + 1}/{len(pts)}: {name}")
+            res = run_compare(c, [m], [c.seed], out / "tune" / m / name, make_task=make_task, log=log,
+                              progress=progress, control=None)
+            scores.append({"point": name, TUNE_METRIC: res["per_seed"][m][c.seed][TUNE_METRIC]})
+        best = min(range(len(scores)), key=lambda j: (scores[j][TUNE_METRIC], j))  # ties: the first in grid order
+        result[m] = {"winner": scores[best]["point"].split(","), "scores": scores}
+    return result
+
+
+def markdown(tuned: dict, grid: list[tuple[str, list[str]]], rounds: int, seed: int) -> str:
+    head = (f"Client step sizes tuned on the validation parts (global response NLL after {rounds} rounds, seed {seed}; "
+            f"the same {len(points_of(grid))}-point grid for every method: "
+            + "; ".join(f"{k} in {', '.join(v)}" for k, v in grid) + "). Lowest NLL **bold**.")
+    lines = [head, "", "| method | " + " | ".join(points_of(grid)) + " | chosen |", "|---" * (len(points_of(grid)) + 2) + "|"]
+    for m, r in tuned.items():
+        cells = [f"**{s[TUNE_METRIC]:.4f}**" if s["point"] == ",".join(r["winner"]) else f"{s[TUNE_METRIC]:.4f}"
+                 for s in r["scores"]]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {', '.join(r['winner'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def points_of(grid: list[tuple[str, list[str]]]) -> list[str]:
+    import itertools
+
+    return [",".join(f"{k}={v}" for k, v in combo)
+            for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid])]
+
+
+def run_tuned_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out: str | Path,
+                      grid: list[tuple[str, list[str]]], rounds: int | None = None, control: str | None = CONTROL,
+                      make_task: Callable | None = None, log: Callable[[str], None] = print,
+                      progress: bool = True) -> dict:
+    """Tune (`tune`), then the comparison with each method's winner; tune.md heads compare.md."""
+    out = Path(out)
+    tuned = tune(cfg, methods, grid, out, rounds, make_task, log, progress)
+    write_json(out / "tune.json", {"grid": grid, "rounds": rounds or cfg.federation.rounds, "seed": cfg.seed,
+                                   "metric": TUNE_METRIC, "methods": tuned})
+    md = markdown(tuned, grid, rounds or cfg.federation.rounds, cfg.seed)
+    write_text(out / "tune.md", md)
+    if make_task is None:
+        from ciders.workloads.llm import LLMTask
+
+        def make_task(c, o):
+            return LLMTask(c, o, log=log, prealign_cache=out / "prealign")
+
+    res = run_compare(cfg, methods, seeds, out, make_task=make_task, log=log, progress=progress, control=control,
+                      overrides={m: r["winner"] for m, r in tuned.items()})
+    res["tuned"] = {m: r["winner"] for m, r in tuned.items()}
+    write_json(out / "compare.json", res)
+    write_text(out / "compare.md", md + "\n" + (out / "compare.md").read_text())
+    return res
+
