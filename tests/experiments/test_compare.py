@@ -127,7 +127,7 @@ def test_compare_errors(tmp_path, capsys):
 def test_sweep_grid(tmp_path):
     out = tmp_path / "s"
     assert main(["sweep", TINY, "--grid", "decomposition.drop_ratio=0.2,0.5", "--algorithms", "ciders-fo,fedot",
-                 "--out", str(out), "--set", "federation.rounds=1"]) == 0
+                 "--out", str(out), "--set", "federation.rounds=1", "--control", "none"]) == 0
     res = json.loads((out / "sweep.json").read_text())
     assert [r["values"] for r in res["rows"]] == [{"decomposition.drop_ratio": "0.2"}, {"decomposition.drop_ratio": "0.5"}]
     mib = [r["aggregate"]["ciders-fo"]["stored_mib"]["mean"] for r in res["rows"]]

@@ -56,7 +56,7 @@ class PplTask(VectorTask):
 
 def sweep(out: Path, grid, seeds=SEEDS, sets=SETS) -> Path:
     run_sweep(load_config(None, sets), grid, METHODS, seeds, out, make_task=lambda c, o: PplTask(c),
-              log=lambda s: None, progress=False)
+              log=lambda s: None, progress=False, control=None)  # the control row: tests/experiments/test_compare.py
     return out
 
 
@@ -376,7 +376,8 @@ def test_a_sweep_over_epsilon_plots_quality_against_the_privacy_spent(tmp_path):
     page also loads in Chromium."""
     d = tmp_path / "eps"
     run_sweep(load_config(None, PRIVATE), [("federation.dp.target_epsilon", ["4", "16"])], ["ciders-fo"], [0], d,
-              metrics=("nll", "dp_epsilon"), make_task=lambda c, o: PplTask(c), log=lambda s: None, progress=False)
+              metrics=("nll", "dp_epsilon"), make_task=lambda c, o: PplTask(c), log=lambda s: None, progress=False,
+              control=None)
     info = json.loads((d / "sweep.json").read_text())
     spent = [r["aggregate"]["ciders-fo"]["dp_epsilon"]["mean"] for r in info["rows"]]
     assert 0.99 * 4 <= spent[0] <= 4 and 0.99 * 16 <= spent[1] <= 16

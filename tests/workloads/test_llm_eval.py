@@ -16,7 +16,9 @@ BASE = ["model.name=tiny-qwen2", "model.device=cpu", "decomposition.messenger_la
 
 
 def test_evaluation_shares_b_l_between_the_messengers_and_gives_adapemus_figures(tmp_path):
-    cfg = load_config(None, BASE + ["model.dtype=float32", "data.clients_limit=8", "federation.holdout=0.5"])
+    # edge fidelity off: it runs the global set through AdapEmu (and AdapFu) once more (tests/eval/test_agreement.py)
+    cfg = load_config(None, BASE + ["model.dtype=float32", "data.clients_limit=8", "federation.holdout=0.5",
+                                    "eval.fidelity=false"])
     task = LLMTask(cfg, tmp_path, log=lambda m: None)
     randomize_lora(task.d, std=0.05)
     server = alg.init_server(task.d.messenger_state(), 1)
