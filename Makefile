@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h cpu-privacy cpu-lambda-task cpu-protocol-r clean
+.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h cpu-privacy cpu-lambda-task cpu-protocol-h-ablations cpu-protocol-r clean
 
 # torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt pyproject.toml
@@ -104,6 +104,20 @@ cpu-lambda-task: $(STAMP)
 	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --grid takd.lambda_task=1 --algorithms takd-only --control none \
 	    --seeds 0,1,2 --metrics nll,personalized_ppl,agreement --out runs/cpu-lambda-task/$$P-both || exit 1; \
 	done
+
+# The ablations that explain Protocol H (docs/results-cpu.md): FedProx under the default TAKD (= FedBiOT plus the task
+# CE); every method with lambda_task = 0; no client learning inside the real loop (FedBiOT's and CIDERS's own TAKD);
+# CIDERS with the paper's tau / alpha_c at both task weights; 3 seeds each, the takd-only control beside each
+cpu-protocol-h-ablations: $(STAMP)
+	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --algorithms fedprox,fedbiot --seeds 0,1,2 \
+		--out runs/cpu-protocol-h-ablation-fedprox
+	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --set takd.lambda_task=0 \
+		--algorithms ciders-fo,ciders-fd,fedavg,scaffold,fedbiot --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-lambda0
+	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.client_learning=false \
+		--algorithms fedbiot,ciders-fo --control none --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-no-learning
+	$(BIN)/ciders sweep configs/cpu/protocol_h.yaml --set algorithm.tau=0.02 --set algorithm.alpha=0.002 \
+		--grid takd.lambda_task=0,1 --algorithms ciders-fo --seeds 0,1,2 --metrics nll,personalized_ppl,agreement \
+		--out runs/cpu-protocol-h-ablation-paper-server
 
 # Protocol R of docs/results-cpu.md: only the client rule differs (shared plateau pre-alignment, the same TAKD for
 # every method, the paper's server settings, tuned client learning rates, the takd-only control), 3 seeds

@@ -130,7 +130,30 @@ def ciders(words: list[str]) -> list[str]:
     return [str(exe), *words] if exe.is_file() else [sys.executable, "-m", "ciders.cli", *words]
 
 
-LONG_COMMANDS = ("compare", "sweep", "bilevel")  # hours on 2 cores: the docs suite runs them to a first round
+LONG_COMMANDS = ("compare", "sweep", "bilevel")
+
+
+def make_commands(makefile: Path = ROOT / "Makefile") -> list[tuple[str, str]]:
+    """(target, command) for every `ciders` line of the Makefile's recipes, continuations joined, the shell loop
+    variable `$$P` of a `for P in A B; do` line expanded to each of its values and the `|| exit 1;` tails dropped."""
+    out, target, loop = [], "", ["$$P"]
+    lines = makefile.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        text = lines[i]
+        while text.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            text = text[:-1] + " " + lines[i].strip()
+        i += 1
+        if text and not text[0].isspace() and ":" in text:
+            target, loop = text.split(":", 1)[0], ["$$P"]
+        m = re.search(r"for P in ([^;]+); do", text)
+        if m:
+            loop = m.group(1).split()
+        for part in text.split("$(BIN)/ciders ")[1:]:  # a loop's body joins several commands into one line
+            cmd = "ciders " + re.split(r"\|\||;", part)[0].strip()
+            out += [(target, cmd.replace("$$P", v)) for v in loop]
+    return out  # hours on 2 cores: the docs suite runs them to a first round
 
 
 def sub_runs(words: list[str], root: Path = ROOT) -> list[tuple[Path, object]]:
@@ -150,9 +173,20 @@ def sub_runs(words: list[str], root: Path = ROOT) -> list[tuple[Path, object]]:
     runs = []
     if a.cmd in ("compare", "sweep"):
         from ciders import algorithms
+        from ciders.experiments.compare import parse_control
 
         methods, seeds = parse_methods(a.algorithms or "ciders-fo,ciders-fd,fedbiot,fedot,localot"), parse_seeds(a.seeds)
+        control = parse_control(a.control)
+        methods += [control] if control is not None and control not in methods else []  # run_compare's control row
         out = Path(a.out or f"runs/{a.cmd}-{cfg.name}")
+        if getattr(a, "tune", None):  # compare_tune.tune: every grid point of every learning method, first
+            from ciders.experiments.compare_tune import tuning_config
+
+            for point, c in points(tuning_config(cfg, a.tune_rounds), parse_grid(a.tune)):
+                for m in methods:
+                    eff = algorithms.configure(replace(c, name=f"{c.name}-{m}-seed{c.seed}"), m).validate()
+                    if eff.algorithm.client_learning:
+                        runs.append((out / "tune" / m / point / m / f"seed{c.seed}", eff))
         for point, c in (points(cfg, parse_grid(a.grid or [])) if a.cmd == "sweep" else [("", cfg)]):
             for s in seeds:  # run_compare: seeds outside, methods inside
                 for m in methods:

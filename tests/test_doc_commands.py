@@ -21,7 +21,7 @@ import pytest
 
 from ciders.cli import main, parser
 from doc_helpers import (COMMANDS, CONCRETE, LONG_COMMANDS, ROOT, argv, bash_block, checkout_copy, ciders,
-                         shell_env, sub_runs, synopsis)
+                         make_commands, shell_env, sub_runs, synopsis)
 
 
 def _argv(text: str) -> list[str]:
@@ -54,6 +54,25 @@ def test_every_documented_command_parses_and_its_files_exist(where, text, monkey
     if words[0] in LONG_COMMANDS:  # every run the command makes, configured as the command configures it
         runs = sub_runs(words)
         assert len({d for d, _ in runs}) == len(runs), f"{where}: two runs share a directory"
+
+
+@pytest.mark.parametrize("target, text", make_commands(), ids=[f"{t}: {c[:60]}" for t, c in make_commands()])
+def test_every_make_target_command_parses_and_configures_every_run(target, text, monkeypatch):
+    """The long `make cpu-*` targets (hours each) are code too: every run they would make is configured here, by
+    the commands' own functions, so a renamed key or a bad grid fails in seconds, not hours in."""
+    monkeypatch.chdir(ROOT)
+    words = argv(text)
+    assert words[0] in ("compare", "sweep", "bilevel", "report", "run", "distill"), f"make {target}: {text!r}"
+    if words[0] in LONG_COMMANDS:
+        runs = sub_runs(words)
+        assert runs and len({d for d, _ in runs}) == len(runs), f"make {target}: two runs share a directory"
+
+
+def test_the_make_targets_show_their_commands():
+    targets = {t for t, _ in make_commands()}
+    assert {"demo", "cpu-protocol-h", "cpu-lambda-task", "cpu-protocol-r"} <= targets
+    lam = [c for t, c in make_commands() if t == "cpu-lambda-task"]
+    assert len(lam) == 6 and sum("protocol_a.yaml" in c for c in lam) == 3  # the loop expanded over both protocols
 
 
 # Which test runs each concrete line as written (the first word after `ciders`, or the line's start).
