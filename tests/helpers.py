@@ -72,8 +72,6 @@ def shared(*parts):
     if not RUNNING_FULL_DATA_TEST:
         pytest.fail("this test reads the full datasets (helpers.shared) but is not marked @pytest.mark.full_data: "
                     "mark it, or point it at a vendored slice under data/ (helpers.vendored)", pytrace=False)
-    if not os.environ.get("CIDERS_DATA"):  # conftest skipped it already; kept for a direct call
-        pytest.skip(FULL_DATA_REASON)
     p = data_root().joinpath(*parts)
     if not p.exists():
         pytest.fail(f"{p} not found: CIDERS_DATA={os.environ['CIDERS_DATA']} does not hold the full datasets this "

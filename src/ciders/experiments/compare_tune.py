@@ -25,7 +25,7 @@ from typing import Callable
 from ciders.config import ExperimentConfig
 from ciders.errors import ConfigError
 from ciders.experiments.compare import CONTROL, run_compare
-from ciders.experiments.sweep import points
+from ciders.experiments.sweep import point_names, points
 from ciders.fileio import write_json, write_text
 
 TUNE_METRIC = "nll"  # global response NLL on the validation parts, lower is better
@@ -43,6 +43,13 @@ def tuning_config(cfg: ExperimentConfig, rounds: int | None) -> ExperimentConfig
     return replace(cfg, eval=ev, federation=fed).validate()
 
 
+def shared_prealign(out: Path, log: Callable[[str], None]) -> Callable:
+    """The LLM task of every tuning and final run, all sharing one pre-alignment cache per seed (OUT/prealign)."""
+    from ciders.workloads.llm import LLMTask
+
+    return lambda c, o: LLMTask(c, o, log=log, prealign_cache=out / "prealign")
+
+
 def _learns(cfg: ExperimentConfig, method: str) -> bool:
     from ciders import algorithms
 
@@ -53,14 +60,8 @@ def tune(cfg: ExperimentConfig, methods: list[str], grid: list[tuple[str, list[s
          rounds: int | None = None, make_task: Callable | None = None, log: Callable[[str], None] = print,
          progress: bool = True) -> dict:
     """Every grid point for every method with client learning; {method: {"winner": [KEY=VALUE], "scores": ...}}."""
-    base = tuning_config(cfg, rounds)
-    pts = points(base, grid)
-    if make_task is None:
-        from ciders.workloads.llm import LLMTask
-
-        def make_task(c, o):  # the tuning and the final runs share one pre-alignment per seed
-            return LLMTask(c, o, log=log, prealign_cache=out / "prealign")
-
+    pts = points(tuning_config(cfg, rounds), grid)
+    make_task = make_task or shared_prealign(out, log)
     result = {}
     for m in methods:
         if not _learns(cfg, m):
@@ -77,22 +78,16 @@ def tune(cfg: ExperimentConfig, methods: list[str], grid: list[tuple[str, list[s
 
 
 def markdown(tuned: dict, grid: list[tuple[str, list[str]]], rounds: int, seed: int) -> str:
+    names = point_names(grid)
     head = (f"Client step sizes tuned on the validation parts (global response NLL after {rounds} rounds, seed {seed}; "
-            f"the same {len(points_of(grid))}-point grid for every method: "
+            f"the same {len(names)}-point grid for every method: "
             + "; ".join(f"{k} in {', '.join(v)}" for k, v in grid) + "). Lowest NLL **bold**.")
-    lines = [head, "", "| method | " + " | ".join(points_of(grid)) + " | chosen |", "|---" * (len(points_of(grid)) + 2) + "|"]
+    lines = [head, "", "| method | " + " | ".join(names) + " | chosen |", "|---" * (len(names) + 2) + "|"]
     for m, r in tuned.items():
         cells = [f"**{s[TUNE_METRIC]:.4f}**" if s["point"] == ",".join(r["winner"]) else f"{s[TUNE_METRIC]:.4f}"
                  for s in r["scores"]]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {', '.join(r['winner'])} |")
     return "\n".join(lines) + "\n"
-
-
-def points_of(grid: list[tuple[str, list[str]]]) -> list[str]:
-    import itertools
-
-    return [",".join(f"{k}={v}" for k, v in combo)
-            for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid])]
 
 
 def run_tuned_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out: str | Path,
@@ -106,13 +101,8 @@ def run_tuned_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int
                                    "metric": TUNE_METRIC, "methods": tuned})
     md = markdown(tuned, grid, rounds or cfg.federation.rounds, cfg.seed)
     write_text(out / "tune.md", md)
-    if make_task is None:
-        from ciders.workloads.llm import LLMTask
-
-        def make_task(c, o):
-            return LLMTask(c, o, log=log, prealign_cache=out / "prealign")
-
-    res = run_compare(cfg, methods, seeds, out, make_task=make_task, log=log, progress=progress, control=control,
+    res = run_compare(cfg, methods, seeds, out, make_task=make_task or shared_prealign(out, log), log=log,
+                      progress=progress, control=control,
                       overrides={m: r["winner"] for m, r in tuned.items()})
     res["tuned"] = {m: r["winner"] for m, r in tuned.items()}
     write_json(out / "compare.json", res)

@@ -33,14 +33,16 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     return grid
 
 
+def point_names(grid: list[tuple[str, list[str]]]) -> list[str]:
+    """'KEY=v,KEY2=w' for every grid point, in grid order (the first key varies slowest)."""
+    return [",".join(f"{k}={v}" for k, v in combo)
+            for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid])]
+
+
 def points(cfg, grid: list[tuple[str, list[str]]], cls: type = ExperimentConfig) -> list[tuple[str, object]]:
     """(name, config) for every grid point; values are checked like `--set` overrides."""
-    out = []
-    for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid]):
-        over = [f"{k}={v}" for k, v in combo]
-        c = from_dict(cls, apply_overrides(to_dict(cfg), over, cls=cls)).validate()
-        out.append((",".join(over), c))
-    return out
+    return [(name, from_dict(cls, apply_overrides(to_dict(cfg), name.split(","), cls=cls)).validate())
+            for name in point_names(grid)]
 
 
 def run_sweep(cfg: ExperimentConfig, grid: list[tuple[str, list[str]]], methods: list[str], seeds: list[int],
