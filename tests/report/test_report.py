@@ -66,11 +66,14 @@ def test_compare_report(compare_dir, tmp_path):
     index = write_report(compare_dir, out=tmp_path)
     assert index == tmp_path / "report" / "index.html"
     dom = open_page(index, {"loss", "eval", "comm", "wall", "consensus", "pca", "fd"})
-    assert "<h1>Comparison report: tiny — 3 methods × 2 seeds</h1>" in dom
+    # the three asked for and the takd-only control `ciders compare` adds by default
+    assert "<h1>Comparison report: tiny — 4 methods × 2 seeds</h1>" in dom
     assert headings(dom) == ["Comparison table", "Per-seed metrics"] + COMMON
     assert dom.count("<b>") >= 1 and dom.count("<u>") >= 1  # best / second of the comparison table
-    for m in ("ciders-fo", "ciders-fd", "fedavg"):
+    for m in ("ciders-fo", "ciders-fd", "fedavg", "takd-only"):
         assert dom.count(f'<tr><td>{m}</td><td class="num">') >= 2  # two per-seed rows
+    # the control's row is labelled in the comparison table and the dagger is explained beneath it
+    assert "<td>takd-only (control)</td>" in dom and "does not beat the takd-only control" in dom
     assert "down: messenger" in dom and "up: dc" in dom and "<details>" in dom
     assert "NLL matrix (eval.tasks without nll_matrix): not available in these runs." in dom
 
