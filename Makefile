@@ -92,16 +92,20 @@ cpu-protocol-h: $(STAMP)
 
 # The TAKD task-weight dose-response of docs/results-cpu.md (the takd-only control, no client learning): the weight
 # in pre-alignment (round weight 0), in the per-round steps (bootstrap weight 0) and in both, on Protocols H and A,
-# 3 seeds (finished runs are reused)
+# 3 seeds (finished runs are reused). Read on NLL, personalized PPL and edge fidelity, so no generation task runs
+# (Protocol A's GSM8K exact match is 0 for every run at this scale)
 cpu-lambda-task: $(STAMP)
 	for P in protocol_h protocol_a; do \
-	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set takd.lambda_task=0 --grid takd.lambda_task_bootstrap=0,0.1,0.3,1 \
+	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set takd.lambda_task=0 --set eval.tasks=[] \
+	    --grid takd.lambda_task_bootstrap=0,0.1,0.3,1 \
 	    --algorithms takd-only --control none --seeds 0,1,2 --metrics nll,personalized_ppl,agreement \
 	    --out runs/cpu-lambda-task/$$P-bootstrap || exit 1; \
-	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set takd.lambda_task_bootstrap=0 --grid takd.lambda_task=0.1,0.3,1 \
+	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set takd.lambda_task_bootstrap=0 --set eval.tasks=[] \
+	    --grid takd.lambda_task=0.1,0.3,1 \
 	    --algorithms takd-only --control none --seeds 0,1,2 --metrics nll,personalized_ppl,agreement \
 	    --out runs/cpu-lambda-task/$$P-round || exit 1; \
-	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --grid takd.lambda_task=1 --algorithms takd-only --control none \
+	  $(BIN)/ciders sweep configs/cpu/$$P.yaml --set eval.tasks=[] --grid takd.lambda_task=1 \
+	    --algorithms takd-only --control none \
 	    --seeds 0,1,2 --metrics nll,personalized_ppl,agreement --out runs/cpu-lambda-task/$$P-both || exit 1; \
 	done
 

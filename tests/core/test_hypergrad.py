@@ -18,7 +18,8 @@ torch.manual_seed(0)
 DX, DY = 3, 5
 
 
-def problem(seed=0):
+def problem(seed=0, dtype=torch.float64):
+    """The problem in `dtype` (its data drawn in float64 and rounded; the closed form stays float64)."""
     g_ = torch.Generator().manual_seed(seed)
     m = torch.randn(DY, DY, generator=g_, dtype=torch.float64)
     A = m @ m.T + 0.5 * torch.eye(DY, dtype=torch.float64)
@@ -26,6 +27,7 @@ def problem(seed=0):
     c = torch.randn(DY, generator=g_, dtype=torch.float64)
     t = torch.randn(DY, generator=g_, dtype=torch.float64)
     lam = 0.3
+    A_, B_, c_, t_ = (v.to(dtype) for v in (A, B, c, t))
 
     def cat_x(x):
         return torch.cat([x["a"], x["b"]])
@@ -35,17 +37,17 @@ def problem(seed=0):
 
     def g(x, y):
         yy, xx = cat_y(y), cat_x(x)
-        return 0.5 * yy @ A @ yy - yy @ B @ xx + c @ yy
+        return 0.5 * yy @ A_ @ yy - yy @ B_ @ xx + c_ @ yy
 
     def f(x, y):
         yy, xx = cat_y(y), cat_x(x)
-        return 0.5 * (yy - t) @ (yy - t) + 0.5 * lam * xx @ xx
+        return 0.5 * (yy - t_) @ (yy - t_) + 0.5 * lam * xx @ xx
 
     x = torch.randn(DX, generator=g_, dtype=torch.float64)
     ystar = torch.linalg.solve(A, B @ x - c)
     truth = lam * x + B.T @ torch.linalg.solve(A, ystar - t)
-    X = {"a": x[:1].clone(), "b": x[1:].clone()}
-    Y = {"u": ystar[:2].clone(), "w": ystar[2:].clone()}
+    X = {"a": x[:1].to(dtype), "b": x[1:].to(dtype)}
+    Y = {"u": ystar[:2].to(dtype), "w": ystar[2:].to(dtype)}
     T = {"a": truth[:1], "b": truth[1:]}
     return f, g, X, Y, T, float(torch.linalg.eigvalsh(A).max())
 
@@ -157,3 +159,20 @@ def test_the_fd_probe_has_a_fixed_length_so_its_error_does_not_follow_the_scale_
     zero = {"u": torch.zeros(3, dtype=torch.float64)}
     gc, calls = _counted(g)
     assert max_abs_diff(hg.hvp_yy_fd(gc, x, y, zero, 1e-6), zero) == 0 and not calls  # v = 0: Hv = 0, no calls
+
+
+@pytest.mark.parametrize("seed", [2, 3, 5])
+def test_fd_probe_survives_subnormal_neumann_terms_in_float32(seed, monkeypatch):
+    """2,000 Neumann terms in float32 shrink the term v below float32's smallest normal (~1e-38, down to
+    ~1e-44 here); the probe goes along v / ||v|| and scales the difference by ||v|| last, so the hypergradient
+    stays finite and as accurate as the 300-term one (a step h = delta / ||v|| overflowed to inf: NaN)."""
+    f, g, x, y, truth, lmax = problem(seed, torch.float32)
+    seen = []
+    real = hg._probe
+    monkeypatch.setattr(hg, "_probe", lambda yy, v, d: seen.append(hg.norm(v)) or real(yy, v, d))
+    h, _ = hg.hypergradient(f, g, x, y, solver="neumann", iters=2000, eta=1.0 / lmax, second_order="fd", delta=1e-3)
+    assert 0 < min(seen) < torch.finfo(torch.float32).tiny  # the case arose
+    scale = max(float(v.abs().max()) for v in truth.values())
+    got = {k: v.double() for k, v in h.items()}
+    assert all(torch.isfinite(v).all() for v in got.values())
+    assert max_abs_diff(got, truth) < 5e-3 * scale

@@ -6,9 +6,9 @@
 RABO: v = [grad^2_yy g]^{-1} grad_y f by conjugate gradient or a Neumann series, using Hessian-vector
 products (double backward); the cross term grad^2_xy g v = d/dx <grad_y g(x, y), v>.
 RAFBO: every second-order product by finite differences of first-order gradients ("second-order
-free", docs/rabo.md#rafbo-finite-difference-products), in the paper's forward form with a probe of length d:
-h = d / ||v||, H_yy v ~ (grad_y g(x, y + h v) - grad_y g(x, y)) / h, and grad^2_xy g v ~ (grad_x g(x, y + h v) -
-grad_x g(x, y)) / h, the base gradient grad g(x, y) computed once per hypergradient; for low-dimensional x the
+free", docs/rabo.md#rafbo-finite-difference-products), in the paper's forward form with a probe of length d
+along u = v / ||v||: H_yy v ~ ||v|| (grad_y g(x, y + d u) - grad_y g(x, y)) / d, and grad^2_xy g v ~
+||v|| (grad_x g(x, y + d u) - grad_x g(x, y)) / d, the base gradient grad g(x, y) computed once per hypergradient; for low-dimensional x the
 coordinate estimator J(x, e_p) = (grad_y g(x + mu e_p, y) - grad_y g(x, y)) / mu gives the cross term coordinate by
 coordinate: (grad^2_xy g v)_p = <J(x, e_p), v>. On a quadratic g every forward difference is exact up to
 rounding (the gradients are affine), which the tests use.
@@ -79,38 +79,43 @@ def cross_xy(g: BiLoss, x: State, y: State, v: State) -> State:
 
 
 def _probe(y: State, v: State, delta: float) -> tuple[float, State] | None:
-    """(h, y + h v) with h = delta / ||v||: a probe of length `delta` whatever the scale of v (an absolute step
-    would make it delta ||v|| long, so the error would follow the scale of f); None when v = 0."""
+    """(||v||, y + delta u) with u = v / ||v||: a probe of length `delta` whatever the scale of v (an absolute step
+    would make it delta ||v|| long, so the error would follow the scale of f); None when v = 0. u is formed in
+    float64 and rounded once: in float32 a late Neumann term can have a subnormal norm (~1e-42), where the old
+    step h = delta / ||v|| overflowed to inf and the product came out NaN."""
     nv = norm(v)
     if nv == 0.0:
         return None
-    h = delta / nv
-    return h, lincomb([(1.0, y), (h, v)])
+    u = {k: (t.double() / nv).to(t.dtype) for k, t in v.items()}
+    return nv, lincomb([(1.0, y), (delta, u)])
 
 
 def _fd_product(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None,
                 part: str) -> State:
-    """The `part` ("x" or "y") of (grad g(x, y + h v) - grad g(x, y)) / h: grad^2_xy g v or grad^2_yy g v. `base` =
-    grads(g, x, y), computed once per point by the caller and shared by every product there; a y product's probe
-    differentiates in y only."""
+    """The `part` ("x" or "y") of ||v|| (grad g(x, y + delta u) - grad g(x, y)) / delta, u = v / ||v||:
+    grad^2_xy g v or grad^2_yy g v. The difference is taken along the unit vector and scaled by ||v|| last,
+    so no intermediate over- or underflows for a tiny v (the product of a subnormal v is itself below the
+    dtype's resolution and comes out as such). `base` = grads(g, x, y), computed once per point by the caller
+    and shared by every product there; a y product's probe differentiates in y only."""
     pr = _probe(y, v, delta)
     if pr is None:
         return {k: torch.zeros_like(t) for k, t in (x if part == "x" else y).items()}
-    h, yp = pr
+    nv, yp = pr
     g0 = (grads(g, x, y) if base is None else base)[0 if part == "x" else 1]
     g1 = grads(g, x, yp)[0] if part == "x" else value_and_grad_y(g, x, yp)[1]
-    return lincomb([(1.0 / h, g1), (-1.0 / h, g0)])
+    # H u in float64, times ||v|| there, rounded once to the state's dtype
+    return {k: ((g1[k].double() - g0[k].double()) / delta * nv).to(g1[k].dtype) for k in g1}
 
 
 def hvp_yy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
               ) -> State:
-    """grad^2_yy g v ~ (grad_y g(x, y + h v) - grad_y g(x, y)) / h."""
+    """grad^2_yy g v ~ ||v|| (grad_y g(x, y + delta u) - grad_y g(x, y)) / delta, u = v / ||v||."""
     return _fd_product(g, x, y, v, delta, base, "y")
 
 
 def cross_xy_fd(g: BiLoss, x: State, y: State, v: State, delta: float, base: tuple[State, State] | None = None
                 ) -> State:
-    """grad^2_xy g v ~ (grad_x g(x, y + h v) - grad_x g(x, y)) / h (same probe and base as hvp_yy_fd)."""
+    """grad^2_xy g v ~ ||v|| (grad_x g(x, y + delta u) - grad_x g(x, y)) / delta (the probe and base of hvp_yy_fd)."""
     return _fd_product(g, x, y, v, delta, base, "x")
 
 
