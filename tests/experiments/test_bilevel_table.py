@@ -82,3 +82,51 @@ def test_paired_contrasts_against_the_sub_model_baselines_and_fedmbo():
                  ["rabo", "static", "fedrolex", "fedmbo"], [0, 1, 2]), "contrasts": list(got.values())})
     assert "| rabo | sub-model baselines (static, fedrolex) | +9.00 ± 2.48* | +13.00 ± 2.48* | +11.00 ± 2.48* |" in md
     assert "| rabo | fedmbo | -1.00 ± 2.48 | -3.00 ± 2.48* | -2.00 ± 2.48 |" in md
+
+
+def test_an_untrained_row_first_from_the_initial_evaluation():
+    """Issue 33, point 1: the initial model's metric heads the table (one row: every method starts from the
+    same weights at a seed); methods that start apart get a row each; older runs without it, no row."""
+    from ciders.experiments.bilevel_table import UNTRAINED, untrained_rows
+
+    pts = [("default", None)]
+    cells = {}
+    for s, a0 in enumerate([0.40, 0.44]):
+        for m, a in (("rabo", 0.6), ("fedmbo", 0.7)):
+            cells[("default", s, m)] = {**summary(a, 1.0), "initial": {"event": "eval", "round": -1, "accuracy": a0,
+                                                                        "ci95": 0.01}}
+    rows = untrained_rows(cells, pts, ["rabo", "fedmbo"], [0, 1]) + _rows(cells, pts, ["rabo", "fedmbo"], [0, 1])
+    assert [r["method"] for r in rows] == [UNTRAINED, "rabo", "fedmbo"]
+    assert rows[0]["points"]["default"]["seeds"] == pytest.approx([40.0, 44.0])
+    md = render({"seeds": [0, 1], "points": ["default"], "rows": rows})
+    assert f"| {UNTRAINED} | 42.00 ± 25.41 [sd 2.83] | - | - | - | - | - |" in md and "what training added" in md
+    cells[("default", 1, "fedmbo")]["initial"] = {"accuracy": 0.2, "ci95": 0.0}
+    assert [r["method"] for r in untrained_rows(cells, pts, ["rabo", "fedmbo"], [0, 1])] == \
+        [f"rabo, {UNTRAINED}", f"fedmbo, {UNTRAINED}"]
+    cells[("default", 1, "fedmbo")]["initial"] = None
+    assert untrained_rows(cells, pts, ["rabo", "fedmbo"], [0, 1]) == []
+
+
+def test_the_tuned_table_heads_with_the_untrained_model():
+    from ciders.experiments.bilevel_tune import render as render_tune, untrained
+
+    u = untrained({"rabo": [30.0, 34.0], "fedmbo": [30.0, 34.0]})
+    assert u["mean"] == pytest.approx(32.0) and u["seeds"] == [30.0, 34.0]
+    assert untrained({"rabo": [30.0, 34.0], "fedmbo": [30.0, 35.0]}) is None
+    assert untrained({"rabo": [30.0, None]}) is None
+    row = {"method": "rabo", "budget": 2, "chosen": "p", "tune_best": 50.0,
+           "test": {"mean": 50.0, "std": 1.0, "ci95": 9.0}, "costs": []}
+    md = render_tune({"seeds": [0, 1], "tuning_seed": 0, "last_rounds": 1, "rows": [row], "untrained": u})
+    lines = md.splitlines()
+    assert lines.index("| untrained (round 0) | - | - | - | 32.00 ± 25.41 [sd 2.83] | - | - | - | - |") < \
+        next(i for i, ln in enumerate(lines) if ln.startswith("| rabo |"))
+
+
+def test_the_initial_model_is_evaluated_whatever_eval_rounds_says():
+    from ciders.config.bilevel import BilevelExperiment
+
+    fed = BilevelExperiment().federation
+    from dataclasses import replace
+
+    fed = replace(fed, rounds=10, eval_rounds=2)
+    assert [q for q in range(-1, 10) if fed.evaluates(q)] == [-1, 8, 9]

@@ -18,6 +18,7 @@ def test_fewshot_and_losstune_tables(tmp_path, capsys):
     assert main(["bilevel", str(ROOT / "configs/cpu/rabo_fewshot.yaml"), "--out", str(tmp_path / "fs"), *fs]) == 0
     md = (tmp_path / "fs" / "bilevel.md").read_text()
     assert all(f"| {m} |" in md for m in ("rabo", "rafbo", "fedmbo"))
+    assert md.splitlines()[2].startswith("| untrained (round 0) | ")  # the initial model heads the table
     res = json.loads((tmp_path / "fs" / "bilevel.json").read_text())
     assert res["rabo"]["bytes_up"] < res["fedmbo"]["bytes_up"] and res["rabo"]["calls"] > 0
     assert 0 <= res["rabo"]["final"]["official_runs_accuracy"] <= 1  # the 20 official 20-way one-shot runs

@@ -236,8 +236,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_numbers(tmp_path):
 
 
 def test_eval_rounds_evaluates_only_the_last_rounds_and_the_same_model(tmp_path):
-    """federation.eval_rounds = 2 of 4: evaluations after rounds 2 and 3 only (no initial one), equal to the
-    every-round run's at those rounds; the training records and final model are unchanged."""
+    """federation.eval_rounds = 2 of 4: evaluations of the initial model and after rounds 2 and 3 only, equal to
+    the every-round run's at those rounds; the training records and final model are unchanged."""
     task = QuadTask()
     every, last = exp_for("rabo", rounds=4), exp_for("rabo", rounds=4)
     last = replace(last, federation=replace(last.federation, eval_rounds=2))
@@ -245,8 +245,8 @@ def test_eval_rounds_evaluates_only_the_last_rounds_and_the_same_model(tmp_path)
     logs = []
     s_last = run_bilevel(last, task, tmp_path / "last", log=logs.append)
     ev = {d: [r for r in read_jsonl(tmp_path / d / "metrics.jsonl") if r["event"] == "eval"] for d in ("every", "last")}
-    assert [r["round"] for r in ev["every"]] == [-1, 0, 1, 2, 3] and [r["round"] for r in ev["last"]] == [2, 3]
-    assert ev["last"] == ev["every"][-2:]
+    assert [r["round"] for r in ev["every"]] == [-1, 0, 1, 2, 3] and [r["round"] for r in ev["last"]] == [-1, 2, 3]
+    assert ev["last"] == ev["every"][:1] + ev["every"][-2:]
     assert s_last["final"] == {k: v for k, v in ev["every"][-1].items() if k not in ("event", "round")}
     assert (tmp_path / "every" / "final.safetensors").read_bytes() == (tmp_path / "last" / "final.safetensors").read_bytes()
     assert sum("not evaluated" in line for line in logs) == 2

@@ -79,9 +79,10 @@ class BilevelFederationConfig:
     capacities: tuple[float, ...] = opt((1.0, 0.5, 0.25, 0.125, 0.0625),
                                         "capacity ratios R, assigned to clients in turn (client i gets R[i mod len])")
     rounds: int = opt(20, "Q: global iterations")
-    eval_rounds: int = opt(0, "evaluate the global model after only the last N rounds (0 = after every round and "
-                           "the initial model too). Evaluation dominates a CPU-scale few-shot run: a table "
-                           "that averages the last K rounds (--last-rounds K) needs only eval_rounds = K")
+    eval_rounds: int = opt(0, "evaluate the global model after only the last N rounds (0 = after every round); "
+                           "the initial model is evaluated either way (a table's untrained row). Evaluation "
+                           "dominates a CPU-scale few-shot run: a table that averages the last K rounds "
+                           "(--last-rounds K) needs only eval_rounds = K")
     max_step_ratio: float | None = opt(
         10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
         "this multiple of max(||state||, 1) (docs/security.md#aggregation); null = accept any finite step")
@@ -98,9 +99,9 @@ class BilevelFederationConfig:
             raise ConfigError(f"federation.capacities: each must be in (0, 1], got {list(self.capacities)}")
 
     def evaluates(self, q: int) -> bool:
-        """Whether the global model is evaluated after round q (q = -1: the initial model): every round, or
-        only the last `eval_rounds`."""
-        return not self.eval_rounds or q >= self.rounds - self.eval_rounds
+        """Whether the global model is evaluated after round q: every round, or only the last `eval_rounds`;
+        q = -1, the initial model, always (what training added is read against it)."""
+        return q == -1 or not self.eval_rounds or q >= self.rounds - self.eval_rounds
 
     def client_capacities(self) -> list[float]:
         return [self.capacities[i % len(self.capacities)] for i in range(self.clients)]

@@ -41,6 +41,7 @@ def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str]
 
 
 def table(results: dict, out: Path) -> str:
+    from ciders.experiments.bilevel_table import initial_eval
     from ciders.fileio import read_jsonl
 
     ref = results.get("fedmbo")
@@ -48,11 +49,18 @@ def table(results: dict, out: Path) -> str:
     # evaluation though it costs about two gradients, so it understates RABO against RAFBO
     lines = ["| method | final | C_x* (min over rounds) | op estimate / FedMBO | measured s / FedMBO "
              "| uplink / FedMBO | downlink / FedMBO |", "|---|---|---|---|---|---|---|"]
+
+    def shown(fin: dict) -> str:
+        return (f"{100 * fin['accuracy']:.2f} ± {100 * fin['ci95']:.2f} %" if "accuracy" in fin
+                else f"{100 * fin['balanced_accuracy']:.2f} % balanced")
+
+    # the initial model (every method starts from the same weights): what training added is read against it
+    first = {m: initial_eval(read_jsonl(out / m / "metrics.jsonl")) for m in results}
+    if first and all(v is not None for v in first.values()) and len({shown(v) for v in first.values()}) == 1:
+        lines.append(f"| untrained (round 0) | {shown(next(iter(first.values())))} | - | - | - | - | - |")
     for m, r in results.items():
         rounds = [x for x in read_jsonl(out / m / "metrics.jsonl") if x["event"] == "round"]
-        fin = r["final"]
-        metric = (f"{100 * fin['accuracy']:.2f} ± {100 * fin['ci95']:.2f} %" if "accuracy" in fin
-                  else f"{100 * fin['balanced_accuracy']:.2f} % balanced")
+        metric = shown(r["final"])
 
         def rel(k):
             return f"{r[k] / ref[k]:.3f}" if ref and ref[k] else "-"

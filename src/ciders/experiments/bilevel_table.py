@@ -90,14 +90,43 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
                 cells[(name, seed, m)] = cell = json.loads((d / m / "summary.json").read_text())
                 recs = read_jsonl(d / m / "metrics.jsonl")
                 cell["covering_x_min"] = min(r["covering_x"] for r in recs if r["event"] == "round")
+                cell["initial"] = initial_eval(recs)
                 if last > 1:  # the final figure: the mean of the last `last` rounds' evaluations
                     cell["final_last_round"] = cell["final"]
                     cell["final"] = last_rounds_mean([r for r in recs if r["event"] == "eval"], last)
     result = {"methods": methods, "seeds": seeds, "points": [n for n, _ in pts], "last_rounds": last,
-              "rows": _rows(cells, pts, methods, seeds), "contrasts": contrasts(cells, [n for n, _ in pts], methods, seeds)}
+              "rows": untrained_rows(cells, pts, methods, seeds) + _rows(cells, pts, methods, seeds), "contrasts": contrasts(cells, [n for n, _ in pts], methods, seeds)}
     write_json(out / "table.json", result)
     write_text(out / "table.md", render(result))
     return result
+
+
+def initial_eval(recs: list[dict]) -> dict | None:
+    """The evaluation of the initial (untrained) model, round -1 of metrics.jsonl; None in a run made before it
+    was always recorded."""
+    return next((r for r in recs if r.get("event") == "eval" and r.get("round") == -1), None)
+
+
+UNTRAINED = "untrained (round 0)"
+
+
+def untrained_rows(cells: dict, pts, methods, seeds) -> list[dict]:
+    """The table's first row: the initial model's metric, so that a reader sees what training added. Every
+    method of the family starts from the same weights at a seed (one row); a method whose initial evaluation
+    differs at some point and seed gets its own row. No row where a run lacks the evaluation (older runs)."""
+    if any(cells[(p, s, m)].get("initial") is None for p, _ in pts for s in seeds for m in methods):
+        return []
+    first = methods[0]
+    same = all(_metric(cells[(p, s, m)]["initial"]) == _metric(cells[(p, s, first)]["initial"])
+               for p, _ in pts for s in seeds for m in methods)
+    rows = []
+    for m in ([first] if same else methods):
+        row = {"method": UNTRAINED if same else f"{m}, {UNTRAINED}", "untrained": True, "points": {},
+               "relative_to_fedmbo": {}}
+        for name, _ in pts:
+            row["points"][name] = _point([_metric(cells[(name, s, m)]["initial"]) for s in seeds])
+        rows.append(row)
+    return rows
 
 
 def _done(d: Path, config_text: str) -> bool:
@@ -190,14 +219,18 @@ def render(result: dict) -> str:
         cells = [f"{c['mean']:.2f} ± {c['ci95']:.2f} [sd {c['std']:.2f}]" for c in (r["points"][p] for p in pts)]
         rel = [f"{v:.3f}" if v is not None else "-" for v in r["relative_to_fedmbo"].values()] or ["-"] * 4
         lines.append(f"| {r['method']} | " + " | ".join(cells + [str(r.get("covering_x_min", "-"))] + rel) + " |")
+    if any(r.get("untrained") for r in result["rows"]):
+        lines += ["", f"Row `{UNTRAINED}`: the initial model, evaluated before any training on the same test episodes "
+                  "(every method starts from these weights at a seed); the rows below it show what training added."]
     if any("capacity" in r for r in result["rows"]):
         lines += ["", "Rows `method (R = r)`: the final global model's sub-model at capacity r, as a client of that "
                   "capacity holds it (its extraction rule, the same test episodes)."]
-    if all("official_runs" in r["points"][p] for r in result["rows"] if "capacity" not in r for p in pts):
+    trained = [r for r in result["rows"] if "capacity" not in r and not r.get("untrained")]
+    if all("official_runs" in r["points"][p] for r in trained for p in pts):
         lines += ["", "The same feature extractors on the 20 official 20-way one-shot runs (Lake et al.), accuracy in % "
                   "(mean ± 95% t-interval over seeds):",
                   "", "| method | " + " | ".join(pts) + " |", "|---" * (len(pts) + 1) + "|"]
-        for r in (r for r in result["rows"] if "capacity" not in r):
+        for r in trained:
             cells = [f"{r['points'][p]['official_runs']['mean']:.2f} ± {r['points'][p]['official_runs']['ci95']:.2f}"
                      for p in pts]
             lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")

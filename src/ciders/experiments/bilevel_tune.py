@@ -82,7 +82,7 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
             raise ConfigError(f"{m}: none of the --tune keys is a step size it reads (give {step_section(m)}.* keys)")
     pts = {m: [(name, bilevel_config(c, m)) for name, c in points(exp, g, cls=BilevelExperiment)]
            for m, g in grids.items()}  # every point must be a valid config before anything runs
-    rows = []
+    rows, initial = [], {}
     for m in methods:
         scores = []
         for k, (name, c) in enumerate(pts[m]):
@@ -97,14 +97,33 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
             d = _run(replace(chosen, seed=s), d, m, log, engine)
             finals.append(100 * _score(d, TEST_METRIC, last))
             costs.append(_costs(d))
+            initial.setdefault(m, []).append(_initial(d))
         rows.append({"method": m, "budget": len(scores), "chosen": name, "tune_scores": dict(
             zip((n for n, _ in pts[m]), (100 * v for v in scores))), "tune_best": 100 * scores[best],
             "test": {**mean_ci95(finals), "seeds": finals}, "costs": costs})
     result = {"seeds": seeds, "tuning_seed": exp.seed, "last_rounds": last, "tune": tune, "rows": rows,
+              "untrained": untrained(initial),
               "contrasts": contrasts(rows), "relative_to_fedmbo": relative_costs(rows)}
     write_json(out / "tune.json", result)
     write_text(out / "tune.md", render(result))
     return result
+
+
+def _initial(run: Path) -> float | None:
+    """The test metric of the initial (untrained) model in % (round -1), None in a run made before it was recorded."""
+    from ciders.experiments.bilevel_table import initial_eval
+
+    ev = initial_eval(read_jsonl(run / "metrics.jsonl"))
+    return None if ev is None or TEST_METRIC not in ev else 100 * float(ev[TEST_METRIC])
+
+
+def untrained(initial: dict[str, list[float | None]]) -> dict | None:
+    """The untrained model's test metric over the seeds (mean ± 95% t-interval), when every method's run at a seed
+    starts from the same weights (they do in this family); None when a run lacks it or the methods disagree."""
+    vals = list(initial.values())
+    if not vals or any(v is None for vs in vals for v in vs) or any(vs != vals[0] for vs in vals):
+        return None
+    return {**mean_ci95(vals[0]), "seeds": vals[0]}
 
 
 def _costs(run: Path) -> dict:
@@ -139,6 +158,10 @@ def render(result: dict) -> str:
              "± the 95% t-interval half-width, [sd]). Costs: mean over seeds of method / FedMBO.", "",
              "| method | budget (grid points) | chosen | tuning-split accuracy | test accuracy | op estimate | seconds "
              "| uplink | downlink |", "|---" * 9 + "|"]
+    u = result.get("untrained")
+    if u:  # the initial model: what training added is read against it
+        lines.append(f"| untrained (round 0) | - | - | - | {u['mean']:.2f} ± {u.get('ci95', 0.0):.2f} [sd {u['std']:.2f}] "
+                     "| - | - | - | - |")
     for r in result["rows"]:
         t = r["test"]
         c = [f"{v:.3f}" if v is not None else "-" for v in rel.get(r["method"], {}).values()] or ["-"] * 4
