@@ -92,3 +92,39 @@ def test_an_unregistered_client_is_rejected_even_with_a_copy():
     sizes = {i: 1 for i in ids[1:]}
     _, _, m = alg.server_update(c, server, ups, copies, sizes)
     assert m["rejected"] == {ids[0]: "not a registered client"} and m["accepted"] == ids[1:]
+
+
+def test_central_dp_rejects_a_client_that_skips_clipping():
+    """Central DP's noise is scaled to C, so an unclipped update would enter the mean unprotected (issue: a
+    modified client at 20x C in every round). The server reconstructs Delta_i (Eq. 11) and rejects a norm above
+    C; the honest, clipped updates are accepted. Under secure aggregation only the mean is seen: it is a convex
+    combination of clipped updates, so a mean above C rejects the round."""
+    c = cfg()
+    fns = quad_clients(4)
+    server, copies, states, ids = setup(n=4)
+    raw = []
+    for i in ids:
+        b = alg.make_broadcast(c, server, copies[i])
+        up, _, _ = alg.client_update(c, b, states[i], fns[int(i[1:])], [None] * c.local_steps)
+        raw.append(up)
+    clip = 0.05 * min(float(u.delta["x"].norm()) for u in raw)  # every raw update is 20x C or more
+    priv = alg.Privacy(clip=clip)
+    ups = [raw[0]]  # the cheat: its raw update, not clipped
+    for i in ids[1:]:
+        b = alg.make_broadcast(c, server, copies[i])
+        up, _, _ = alg.client_update(c, b, states[i], fns[int(i[1:])], [None] * c.local_steps, priv)
+        ups.append(up)
+    s2, cp2, m = alg.server_update(c, server, ups, copies, SIZES, priv=priv)
+    assert set(m["accepted"]) == set(ids[1:]) and "did not clip" in m["rejected"][ids[0]]
+    assert cp2[ids[0]] is copies[ids[0]]
+    # the honest clipped updates pass with the reconstruction's rounding (they sit at norm C exactly)
+    assert all(abs(float(u.delta["x"].norm()) - clip) < 1e-9 * clip for u in ups[1:])
+    # without DP the same uploads are all accepted (the check is DP's, not a general bound)
+    assert len(alg.server_update(c, server, ups, copies, SIZES)[2]["accepted"]) == 4
+    # secure aggregation: the unmasked mean
+    sec = {i: alg.ServerCopy({}) for i in ids}
+    big = {"x": raw[0].delta["x"] * 0.25 + sum(u.delta["x"] for u in ups[1:]) * 0.25}
+    s3, _, m3 = alg.secure_server_update(c, server, big, 1.0, ids, sec, 4, priv=priv)
+    assert m3["accepted"] == [] and "did not clip" in m3["rejected"]["sum"] and equal(s3.messenger, server.messenger)
+    ok = {"x": sum(u.delta["x"] for u in ups[1:]) / 3}
+    assert alg.secure_server_update(c, server, ok, 1.0, ids[1:], sec, 4, priv=priv)[2]["accepted"] == sorted(ids[1:])

@@ -397,8 +397,8 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
         delta = None
         if why is None:
             delta = cs.reconstruct(up.dc, cp.c_i, state.c, cfg.alpha, gamma)  # Eq. 11
-            why = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta.items()}, state.messenger,
-                                 max_step_ratio)
+            why = clip_check(delta, priv) or agg.step_check(
+                {k: v * (cfg.local_steps * eta_bar) for k, v in delta.items()}, state.messenger, max_step_ratio)
         if why is not None:
             rejected[up.client_id] = why
             if cp is not None and up.resync_request and up.round == state.round:
@@ -439,6 +439,23 @@ def _aggregate(cfg: CidersConfig, deltas: Sequence[State], p: Sequence[float]) -
     if cfg.aggregator == "trimmed_mean":
         return agg.trimmed_mean(deltas, cfg.trim_fraction)
     return agg.weighted_sum(deltas, p)
+
+
+CLIP_TOL = 1e-3  # relative slack on ||Delta_i|| <= C: Eq. 11 recovers Delta_i up to float rounding, not exactly
+
+
+def clip_check(delta: State, priv: Privacy, what: str = "Delta_i") -> str | None:
+    """Central DP's noise is scaled to the clipping norm C, so an update above C (a client that skipped
+    clipping) would enter the mean unprotected and outweigh the rest: why it must be rejected, or None. The
+    server sees the reconstructed Delta_i (Eq. 11), so it checks the client's clip instead of trusting it. A
+    weighted mean of clipped updates is within C too (`secure_server_update` checks the sum's)."""
+    if priv.clip is None or priv.local_std > 0:  # local mode: the client's own noise makes the norm exceed C
+        return None
+    n = norm(delta)
+    if not n <= priv.clip * (1 + CLIP_TOL):
+        return (f"{what} has norm {n:.4g}, above the clipping norm C = {priv.clip:.4g} (federation.dp.clip): "
+                "the client did not clip its update")
+    return None
 
 
 def central_noise(delta_bar: State, priv: Privacy, m: int) -> State:
@@ -482,7 +499,10 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
     if why_not is None and (not included or delta_sum is None):
         why_not = "no masked upload entered the sum"
     if why_not is None:
-        delta_bar = central_noise({k: v / weight_sum for k, v in delta_sum.items()}, priv, len(included))
+        mean = {k: v / weight_sum for k, v in delta_sum.items()}
+        why_not = clip_check(mean, priv, "the unmasked mean of the updates")
+    if why_not is None:
+        delta_bar = central_noise(mean, priv, len(included))
         why_not = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta_bar.items()}, state.messenger,
                                  max_step_ratio)
     if why_not is None:
