@@ -2,6 +2,7 @@
 to the quantization tolerance, dropouts, crash and resume, and what the server receives, stores and logs."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -106,15 +107,104 @@ def test_too_few_survivors_skip_the_round_not_the_run(tmp_path):
     assert len(ev) == 4
 
 
-@pytest.mark.parametrize("point", ["client:1", "server", "takd", "checkpoint"])
-def test_resume_after_a_crash_in_a_secure_round_gives_the_same_run(tmp_path, point):
+def test_resume_after_a_crash_before_any_client_masked_gives_the_same_run(tmp_path):
+    """A crash inside round 2's first phase (client 1 of the key exchange): no client has masked round 2 yet, so
+    the resumed run reruns it and equals the uninterrupted run bit for bit."""
     run(tmp_path / "ref", *SECURE)
     with pytest.raises(SimulatedCrash):
-        run(tmp_path / "x", *SECURE, faults=Faults(crash=(2, point)))
+        run(tmp_path / "x", *SECURE, faults=Faults(crash=(2, "client:1")))
     run(tmp_path / "x", *SECURE, resume=True)
     assert (tmp_path / "x" / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
     a, b = final(tmp_path / "ref"), final(tmp_path / "x")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("point", ["server", "takd", "checkpoint"])
+def test_a_crash_after_the_clients_masked_costs_that_round_not_the_run(tmp_path, point):
+    """A crash after round 2's masked uploads: no client masks round 2 again (a rerun would let the server read
+    an update off the difference of two sums), so the resumed round ends without an update, saying why, and
+    the run goes on. Rounds before it are the uninterrupted run's."""
+    run(tmp_path / "ref", *SECURE)
+    with pytest.raises(SimulatedCrash):
+        run(tmp_path / "x", *SECURE, faults=Faults(crash=(2, point)))
+    run(tmp_path / "x", *SECURE, resume=True)
+    ref, got = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("ref", "x"))
+    server = {r["round"]: r for r in got if r["event"] == "server"}
+    assert sorted(server) == [0, 1, 2, 3] and server[2]["accepted"] == [] and server[3]["accepted"]
+    assert "threshold" in server[2]["rejected"]["sum"]
+    assert any("already masked" in why for why in server[2]["rejected"].values())
+    assert [r for r in got if r.get("round", 99) < 2] == [r for r in ref if r.get("round", 99) < 2]
+
+
+def test_a_client_never_masks_a_round_twice(tmp_path):
+    """The rerun attack, client side: after masking round t, a client refuses the keys and train phases of
+    round t (a fresh session would be made otherwise) and of earlier rounds, and takes round t + 1."""
+    cfg = load_config(None, BASE + SECURE)
+    ids = [f"c{i:04d}" for i in range(5)]
+    sessions = secure.Sessions(tmp_path / "s")
+
+    def through_train(t):
+        sr = secure.start(cfg, t, tuple(ids), {c: 10 for c in ids})
+        for name, make, absorb in (("secagg_keys", secure.keys_messages, secure.absorb_keys),
+                                   ("secagg_shares", secure.shares_messages, secure.absorb_shares)):
+            replies = [Reply(c, secure.client_phase(name, cfg, sessions, c, m)[0]) for c, m in make(sr).items()]
+            sr, _ = absorb(sr, replies)
+        msg = secure.train_message(sr, ids[0], wire.encode({}, {"round": t})[0])
+        up = alg.Upload(ids[0], t, 0, delta={"x": torch.ones(4)})
+        return secure.client_phase("train", cfg, sessions, ids[0], msg, train=lambda inner: (up, {"loss": 1.0}),
+                                   weight=10)
+
+    through_train(3)
+    assert sessions.masked_through(ids[0]) == 3
+    for t in (3, 2):
+        with pytest.raises(wire.PayloadError, match="already masked"):
+            through_train(t)
+    with pytest.raises(wire.PayloadError, match="already masked"):  # the keys phase alone is refused too
+        secure.client_phase("secagg_keys", cfg, sessions, ids[0], secure.keys_messages(
+            secure.start(cfg, 3, tuple(ids), {c: 10 for c in ids}))[ids[0]])
+    assert "masked" in wire.decode(through_train(4)[0])[0]
+    (tmp_path / "s" / f"{ids[0]}.masked").write_text("garbage")
+    with pytest.raises(wire.PayloadError, match="unreadable"):
+        through_train(5)
+
+
+def test_a_client_masks_only_with_the_weight_its_own_rule_gives(tmp_path):
+    """The weight attack: a server that sends the target weight 1 and everyone else 2^-60 reads the target's
+    update off the sum. Weights are integers the client checks (its own data size, or 1 under uniform
+    weighting); any other value is refused before the client trains."""
+    cfg = load_config(None, BASE + SECURE)
+    ids = [f"c{i:04d}" for i in range(5)]
+    sessions = secure.Sessions(tmp_path / "s")
+    sr = secure.start(cfg, 0, tuple(ids), {c: 10 for c in ids})
+    assert sr.weights == {c: 10 for c in ids}
+    for name, make, absorb in (("secagg_keys", secure.keys_messages, secure.absorb_keys),
+                               ("secagg_shares", secure.shares_messages, secure.absorb_shares)):
+        replies = [Reply(c, secure.client_phase(name, cfg, sessions, c, m)[0]) for c, m in make(sr).items()]
+        sr, _ = absorb(sr, replies)
+    trained = []
+    up = alg.Upload(ids[0], 0, 0, delta={"x": torch.ones(4)})
+
+    def train(inner):
+        trained.append(1)
+        return up, {"loss": 1.0}
+
+    inner = wire.encode({}, {"round": 0})[0]
+    import shutil
+
+    for k, w in enumerate([1, 2**-60, 1.0, 11, 0, -10]):
+        evil = replace(sr, weights={**sr.weights, ids[0]: w})
+        d = tmp_path / f"try{k}"
+        shutil.copytree(tmp_path / "s", d)
+        with pytest.raises(wire.PayloadError):
+            secure.client_phase("train", cfg, secure.Sessions(d), ids[0], secure.train_message(evil, ids[0], inner),
+                                train=train, weight=secure.own_weight(cfg, 10))
+    assert not trained
+    reply, _ = secure.client_phase("train", cfg, sessions, ids[0], secure.train_message(sr, ids[0], inner),
+                                   train=train, weight=secure.own_weight(cfg, 10))
+    assert trained and "masked" in wire.decode(reply)[0]
+    uniform = load_config(None, BASE + SECURE + ["algorithm.weighting=uniform"])
+    assert secure.start(uniform, 0, tuple(ids), {c: 10 for c in ids}).weights == {c: 1 for c in ids}
+    assert secure.own_weight(uniform, 10) == 1 and secure.own_weight(cfg, 10) == 10
 
 
 class Tap:
@@ -295,7 +385,8 @@ def test_a_client_refuses_a_train_message_whose_broadcast_is_not_what_it_announc
         return alg.Upload(ids[0], 0, 0, delta={"x": torch.ones(4)}), {"loss": 1.0}
 
     def attempt(msg, sess):
-        return secure.client_phase("train", cfg, secure.Sessions(sess), ids[0], msg, train=train)
+        return secure.client_phase("train", cfg, secure.Sessions(sess), ids[0], msg, train=train,
+                                   weight=secure.own_weight(cfg, 10))
 
     import shutil
 

@@ -77,7 +77,7 @@ class Upload:
     resync_request: bool = False
     personalized: State | None = None  # x_K, only with upload_personalized_messenger
     delta: State | None = None  # Delta_i as it entered Eq. 9 (clipped / noised under DP); never encoded:
-    #                             secure aggregation masks w_i * delta instead of sending dc_i
+    #                             secure aggregation masks n_i * delta instead of sending dc_i
 
 
 @dataclass(frozen=True)
@@ -484,9 +484,10 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
                          included: Sequence[str], copies: dict[str, ServerCopy], n_registered: int,
                          dc_sum: State | None = None, max_step_ratio: float | None = None, priv: Privacy = Privacy(),
                          why_not: str | None = None) -> tuple[ServerState, dict[str, ServerCopy], dict]:
-    """Eq. 12 from what secure aggregation gives the server: delta_sum = sum_{i in U} w_i Delta_i over the
-    clients U whose masked uploads entered the sum (w_i the weights the server sent), weight_sum = sum_{i in U}
-    w_i, so Delta-bar = delta_sum / weight_sum = sum_i p_i Delta_i with p_i = w_i / sum_U w_j, as in
+    """Eq. 12 from what secure aggregation gives the server: delta_sum = sum_{i in U} n_i Delta_i over the
+    clients U whose masked uploads entered the sum (n_i the integer weights the server sent and each client
+    checked: 1 or |D_i|), weight_sum = sum_{i in U} n_i, so Delta-bar = delta_sum / weight_sum = sum_i p_i
+    Delta_i with p_i = n_i / sum_U n_j, as in
     `server_update`; dc_sum = sum_U dc_i for SCAFFOLD's rule. No Delta_i is seen, so no per-client check runs:
     the implied step K eta_bar Delta-bar must pass `core.aggregate.step_check` (a convex combination of steps
     that all pass does) and be finite, else the round is rejected and the state stays. `copies` holds each

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ciders.federation.exchange import Reply
+from ciders.errors import PayloadError
 
 ClientFn = Callable[[str, str, bytes], tuple[bytes, dict]]  # (phase, client id, message) -> (reply, record)
 
@@ -52,7 +53,12 @@ class InProcess:
         f = self.faults
         late, replies, copies = self.late.pop(phase, []), [], []
         for j, (cid, msg) in enumerate(messages.items()):
-            up, rec = self.client(phase, cid, msg)
+            try:
+                up, rec = self.client(phase, cid, msg)
+            except PayloadError as exc:  # the client refuses the message: an error reply, as over Flower
+                replies.append(Reply(cid, error=str(exc)))
+                f.maybe_crash(t, f"client:{j}" if phase != "report" else f"report:{j}")
+                continue
             if f.hit(f.corrupt, t, phase, cid) and up and self.corrupt is not None:
                 up = self.corrupt(up)
             if f.hit(f.delay, t, phase, cid):

@@ -430,8 +430,10 @@ def client_phase(phase: str, cfg: ExperimentConfig, task, store: RoundStore, cid
         return client_round(cfg, task, store, cid, msg, extra_ref, held)
     from ciders.federation import secure
 
+    weight = secure.own_weight(cfg, task.clients()[cid]) if phase == "train" else None  # checked, not taken
     return secure.client_phase(phase, cfg, sessions, cid, msg,
-                               train=lambda inner: client_train(cfg, task, store, cid, inner, extra_ref, held))
+                               train=lambda inner: client_train(cfg, task, store, cid, inner, extra_ref, held),
+                               weight=weight)
 
 
 def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes, extra_ref: dict,

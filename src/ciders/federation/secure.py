@@ -3,10 +3,13 @@
 The round's phases (`Coordinator.phases` when federation.secure_aggregation is true):
   secagg_keys    server -> sampled S: the round and its members; client -> pk_c, pk_s, H(b_i)     (U1 replied)
   secagg_shares  server -> U1: the public keys of each one's live group; client -> encrypted shares (U2)
-  train          server -> U2: the broadcast, its weight w_i and the shares addressed to it;
-                 client -> y_i = masked fixed-point [w_i Delta_i (, dc_i for SCAFFOLD)] + its record (U3)
+  train          server -> U2: the broadcast, its weight n_i and the shares addressed to it; the client checks
+                 n_i against its own rule (1, or its own |D_i|) and refuses a round it has masked before;
+                 client -> y_i = masked fixed-point [n_i Delta_i (, dc_i for SCAFFOLD)] + its record (U3)
   secagg_unmask  server -> U3: who is active (U3) and who dropped (U2 \\ U3); client -> its shares (U4)
-The server then forms sum_{U3} w_i Delta_i (`core.secagg.unmask`) and runs `secure_server_update`.
+The server then forms sum_{U3} n_i Delta_i (`core.secagg.unmask`), divides by sum_{U3} n_i and runs
+`secure_server_update`. The weights are integers a client can check (not normalised shares it could not): a
+server that sent one client 1 and the others 2^-60 would read that client's Delta_i off the sum.
 
 Server side: pure functions over `SecureRound` (what the round has learnt so far; replaced, never mutated).
 Client side: `client_phase`, whose protocol secrets live in the client's own session directory (one JSON
@@ -83,7 +86,7 @@ class SecureRound:
     """What the server has learnt in a secure round, phase by phase."""
 
     params: sa.Params
-    weights: dict  # client -> w_i, the weight it multiplies Delta_i by (the server's registered sizes)
+    weights: dict  # client -> n_i, the integer it multiplies Delta_i by: 1, or its registered size |D_i|
     keys: dict = field(default_factory=dict)  # U1: client -> (pk_c, pk_s)
     commits: dict = field(default_factory=dict)  # U1: client -> H(b_i)
     routed: dict = field(default_factory=dict)  # U2: recipient -> {sender: ciphertext}
@@ -94,12 +97,17 @@ class SecureRound:
 
 def start(cfg: ExperimentConfig, t: int, sampled: tuple[str, ...], sizes: dict[str, int]) -> SecureRound:
     """The round's parameters (from the config, which every client holds too) and each client's weight
-    w_i = |D_i| / sum_S |D_j| (or 1 / |S|): the server divides the sum by sum_{U3} w_i, so p_i is Eq. 12's."""
+    n_i = |D_i| (or 1 under uniform weighting): the server divides the sum by sum_{U3} n_i, so
+    p_i = n_i / sum_{U3} n_j is Eq. 12's. Each client checks its n_i (`own_weight`)."""
     sc = cfg.federation.secagg
     p = sa.Params(t, tuple(sampled), sc.t(len(sampled)), sc.neighbours, sc.frac_bits, sc.clip)
     uniform = cfg.algorithm.weighting == "uniform"
-    total = sum(sizes[c] for c in sampled)
-    return SecureRound(p, {c: (1.0 / len(sampled) if uniform else sizes[c] / total) for c in sampled})
+    return SecureRound(p, {c: (1 if uniform else int(sizes[c])) for c in sampled})
+
+
+def own_weight(cfg: ExperimentConfig, size: int) -> int:
+    """The weight n_i a client accepts: 1 under uniform weighting, else its own training-set size."""
+    return 1 if cfg.algorithm.weighting == "uniform" else int(size)
 
 
 def params_for(cfg: ExperimentConfig, t: int, members: list[str]) -> sa.Params:
@@ -204,7 +212,7 @@ def absorb_shares(sr: SecureRound, replies: list[Reply]) -> tuple[SecureRound, d
 
 
 def train_message(sr: SecureRound, cid: str, broadcast: bytes) -> bytes:
-    """The client's weight w_i and the shares addressed to it, with the broadcast behind them as it is (its
+    """The client's weight n_i and the shares addressed to it, with the broadcast behind them as it is (its
     length in the metadata): at first contact the broadcast holds the emulator, which is copied once here
     and once by the client (`wire.split_tail`), not re-encoded."""
     comps = {"shares": {s: _u8(ct) for s, ct in sr.routed.get(cid, {}).items()}}
@@ -255,7 +263,7 @@ def unmask_messages(sr: SecureRound) -> dict[str, bytes]:
 
 def absorb_unmask(sr: SecureRound, replies: list[Reply], ref: dict, scaffold: bool
                   ) -> tuple[dict | None, dict | None, str | None, dict]:
-    """(sum_{U3} w_i Delta_i, sum_{U3} dc_i or None, why the sum failed or None, rejected)."""
+    """(sum_{U3} n_i Delta_i, sum_{U3} dc_i or None, why the sum failed or None, rejected)."""
     t, answers, rejected = sr.params.round, {}, {}
     active = [c for c in sr.params.members if c in sr.masked]
     dropped = [c for c in sr.u2 if c not in sr.masked]
@@ -304,6 +312,40 @@ class Sessions:
             raise PayloadError(f"{cid}: its session is for round {s.round}, the server asks about round {t}")
         return s
 
+    def masked_through(self, cid: str) -> int:
+        """The last round this client masked an update in (-1: none). Kept apart from the session, which
+        each round's keys phase replaces, so that no rerun of the protocol can make it mask a round twice."""
+        p = self.root / f"{cid}.masked"
+        if not p.is_file():
+            return -1
+        try:
+            return int(p.read_text())
+        except ValueError as exc:
+            raise PayloadError(f"{cid}: its record of masked rounds is unreadable ({p}); refusing to mask") from exc
+
+    def mark_masked(self, cid: str, t: int) -> None:
+        """Atomically records that round t is masked, before y_i leaves the client."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{cid}.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(str(int(t)))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.root / f"{cid}.masked")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def check_fresh(self, cid: str, t: int) -> None:
+        """Refuses round t if this client has masked round t or a later one: a second run of a round would give
+        the server a second sum over a different set of clients, and the difference of the two sums is one
+        client's update (it would retrain to the same Delta_i)."""
+        done = self.masked_through(cid)
+        if t <= done:
+            raise PayloadError(f"{cid}: already masked an update in round {done}; refusing to run the protocol for "
+                               f"round {t} (a rerun would let the server read an update off the difference of sums)")
+
     def save(self, s: sa.Secrets) -> None:
         """Atomically, and readable by the client's own user only (mkstemp's 0600 is kept: these are private keys)."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -329,9 +371,11 @@ def _reply(cid: str, t: int, comps: dict, **meta) -> bytes:
 
 
 def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str, msg: bytes,
-                 train: Callable[[bytes], tuple[alg.Upload, dict]] | None = None) -> tuple[bytes, dict]:
+                 train: Callable[[bytes], tuple[alg.Upload, dict]] | None = None, weight: int | None = None
+                 ) -> tuple[bytes, dict]:
     """The client side of one secure-aggregation phase: (reply bytes, metrics record). `train(broadcast)` runs
-    the client's round on the unwrapped broadcast and returns its upload (Delta_i in `delta`) and record."""
+    the client's round on the unwrapped broadcast and returns its upload (Delta_i in `delta`) and record;
+    `weight` is the n_i the client accepts in the train phase (`own_weight`)."""
     inner = None
     if phase == "train":
         msg, inner = wire.split_tail(msg)
@@ -339,6 +383,7 @@ def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str
     if phase == "secagg_keys":
         members = _ids(meta.get("members"), "members")
         p = params_for(cfg, t, members)
+        sessions.check_fresh(cid, t)
         s, pub = sa.client_keys(p, cid)
         sessions.save(s)
         return _reply(cid, t, {"keys": {"c": _u8(pub["pk_c"]), "s": _u8(pub["pk_s"])}}, commit=pub["commit"]), {}
@@ -357,10 +402,11 @@ def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str
         sessions.save(s)
         return _reply(cid, t, {"shares": {d: _u8(ct) for d, ct in cts.items()}}), {}
     if phase == "train":
-        f = wire.fields(meta, {"weight": "float", "broadcast_bytes": "int"}, "secure train")
-        weight = f["weight"]
-        if not 0 < weight <= 1:
-            raise PayloadError(f"{cid}: weight {weight} is not in (0, 1]")
+        f = wire.fields(meta, {"weight": "int", "broadcast_bytes": "int"}, "secure train")
+        if weight is None or f["weight"] != weight:
+            raise PayloadError(f"{cid}: the server asks for weight {f['weight']}, its own rule gives {weight} "
+                               "(algorithm.weighting: 1, or its own data size); refusing to mask")
+        sessions.check_fresh(cid, t)
         if f["broadcast_bytes"] != len(inner):
             raise PayloadError(f"{cid}: the secure train message announces a broadcast of {f['broadcast_bytes']} "
                                f"bytes and carries {len(inner)}")
@@ -374,6 +420,7 @@ def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str
             vec.update({f"dc/{k}": v for k, v in up.dc.items()})
         s, y = sa.client_mask(p, s, vec)
         sessions.save(s)
+        sessions.mark_masked(cid, t)  # before y_i leaves
         return _reply(cid, t, {"masked": y}), records.private(rec)
     if phase == "secagg_unmask":
         active = _ids(meta.get("active"), "active", set(p.members))

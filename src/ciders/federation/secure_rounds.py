@@ -2,7 +2,7 @@
 `Coordinator` with the round's phases of `federation.secure` (docs/privacy.md#secure-aggregation).
 
 What changes against the plain round: the train phase is wrapped by three protocol phases, the server
-never decodes a client's dc_i or Delta_i (it unmasks only the sum of w_i Delta_i over the clients whose
+never decodes a client's dc_i or Delta_i (it unmasks only the sum of n_i Delta_i over the clients whose
 masked upload arrived, U3), keeps no copy of any c_i (only its version: `alg.secure_server_update`), and
 does not ask for personalized messengers (no "report" phase: they stay on the clients). TAKD, evaluation,
 logging and the checkpoint are the plain round's.
