@@ -66,7 +66,8 @@ def one_round(name: str, n: int, k: int | None, drop: str | None, root: Path) ->
             down[c] += len(m)
             t0 = time.perf_counter()
             out, rec = secure.client_phase(name_, cfg, sessions, c, m,
-                                           train=lambda inner, c=c: (alg.Upload(c, 0, 0, delta=deltas[c]), {"loss": 1.0}))
+                                           train=lambda inner, c=c: (alg.Upload(c, 0, 0, delta=deltas[c]), {"loss": 1.0}),
+                                           weight=secure.own_weight(cfg, 1))
             client_s[c] += time.perf_counter() - t0
             up[c] += len(out)
             if c not in lost:
