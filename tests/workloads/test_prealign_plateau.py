@@ -34,7 +34,7 @@ def test_prealignment_stops_at_the_plateau_with_the_steps_of_one_run(tmp_path):
     t, _, pre = task._prealign()
     assert pre["steps"] == 3 and [c["step"] for c in pre["plateau_curve"]] == [1, 2, 3]  # every drop < 100 nats
     ref = _task(tmp_path / "ref", bootstrap_steps=40, plateau_examples=4)  # a fresh student, the same public part
-    st, _ = distill(ref.d, init_state(ref.d), ref.d.messenger_state(), ref.public, ref.cfg.takd, 3, pad_id=ref.pad,
+    st, _ = distill(ref.d, init_state(ref.d), ref.d.messenger_state(), ref.public, ref.cfg.takd.bootstrap(), 3, pad_id=ref.pad,
                     seed=ref.cfg.seed, cache=ref.cache)
     assert all(torch.equal(t[f"student/{k}"], v) for k, v in st.student.items())
 

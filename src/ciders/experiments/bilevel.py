@@ -40,8 +40,13 @@ def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str]
     return results
 
 
+def initial_eval(recs: list[dict]) -> dict | None:
+    """The evaluation of the initial (untrained) model, round -1 of metrics.jsonl; None in a run made before it
+    was always recorded."""
+    return next((r for r in recs if r.get("event") == "eval" and r.get("round") == -1), None)
+
+
 def table(results: dict, out: Path) -> str:
-    from ciders.experiments.bilevel_table import initial_eval
     from ciders.fileio import read_jsonl
 
     ref = results.get("fedmbo")

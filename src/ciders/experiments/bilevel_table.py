@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ciders.eval.stats import mean_ci95
+from ciders.experiments.bilevel import initial_eval
 from ciders.fileio import read_jsonl, write_json, write_text
 
 COST_KEYS = ("op_estimate", "seconds", "bytes_up", "bytes_down")  # a run summary's costs, reported over FedMBO's
@@ -99,12 +100,6 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
     write_json(out / "table.json", result)
     write_text(out / "table.md", render(result))
     return result
-
-
-def initial_eval(recs: list[dict]) -> dict | None:
-    """The evaluation of the initial (untrained) model, round -1 of metrics.jsonl; None in a run made before it
-    was always recorded."""
-    return next((r for r in recs if r.get("event") == "eval" and r.get("round") == -1), None)
 
 
 UNTRAINED = "untrained (round 0)"

@@ -111,7 +111,7 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
 
 def _initial(run: Path) -> float | None:
     """The test metric of the initial (untrained) model in % (round -1), None in a run made before it was recorded."""
-    from ciders.experiments.bilevel_table import initial_eval
+    from ciders.experiments.bilevel import initial_eval
 
     ev = initial_eval(read_jsonl(run / "metrics.jsonl"))
     return None if ev is None or TEST_METRIC not in ev else 100 * float(ev[TEST_METRIC])
