@@ -40,6 +40,9 @@ def run_experiment(exp, out: str | Path, methods: list[str], log: Callable[[str]
     return results
 
 
+UNTRAINED = "untrained (round 0)"  # the label of a table's row for the initial model
+
+
 def initial_eval(recs: list[dict]) -> dict | None:
     """The evaluation of the initial (untrained) model, round -1 of metrics.jsonl; None in a run made before it
     was always recorded."""
@@ -60,11 +63,12 @@ def table(results: dict, out: Path) -> str:
                 else f"{100 * fin['balanced_accuracy']:.2f} % balanced")
 
     # the initial model (every method starts from the same weights): what training added is read against it
-    first = {m: initial_eval(read_jsonl(out / m / "metrics.jsonl")) for m in results}
+    recs = {m: read_jsonl(out / m / "metrics.jsonl") for m in results}
+    first = {m: initial_eval(recs[m]) for m in results}
     if first and all(v is not None for v in first.values()) and len({shown(v) for v in first.values()}) == 1:
-        lines.append(f"| untrained (round 0) | {shown(next(iter(first.values())))} | - | - | - | - | - |")
+        lines.append(f"| {UNTRAINED} | {shown(next(iter(first.values())))} | - | - | - | - | - |")
     for m, r in results.items():
-        rounds = [x for x in read_jsonl(out / m / "metrics.jsonl") if x["event"] == "round"]
+        rounds = [x for x in recs[m] if x["event"] == "round"]
         metric = shown(r["final"])
 
         def rel(k):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ciders.eval.stats import mean_ci95
-from ciders.experiments.bilevel import initial_eval
+from ciders.experiments.bilevel import UNTRAINED, initial_eval
 from ciders.fileio import read_jsonl, write_json, write_text
 
 COST_KEYS = ("op_estimate", "seconds", "bytes_up", "bytes_down")  # a run summary's costs, reported over FedMBO's
@@ -100,9 +100,6 @@ def run_table(exp, methods: list[str], seeds: list[int], grid: list[tuple[str, l
     write_json(out / "table.json", result)
     write_text(out / "table.md", render(result))
     return result
-
-
-UNTRAINED = "untrained (round 0)"
 
 
 def untrained_rows(cells: dict, pts, methods, seeds) -> list[dict]:

@@ -25,6 +25,7 @@ from typing import Callable
 
 from ciders.errors import ConfigError
 from ciders.eval.stats import mean_ci95
+from ciders.experiments.bilevel import UNTRAINED
 from ciders.experiments.bilevel_table import COST_KEYS, signed
 from ciders.fileio import read_jsonl, write_json, write_text
 
@@ -160,7 +161,7 @@ def render(result: dict) -> str:
              "| uplink | downlink |", "|---" * 9 + "|"]
     u = result.get("untrained")
     if u:  # the initial model: what training added is read against it
-        lines.append(f"| untrained (round 0) | - | - | - | {u['mean']:.2f} ± {u.get('ci95', 0.0):.2f} [sd {u['std']:.2f}] "
+        lines.append(f"| {UNTRAINED} | - | - | - | {u['mean']:.2f} ± {u.get('ci95', 0.0):.2f} [sd {u['std']:.2f}] "
                      "| - | - | - | - |")
     for r in result["rows"]:
         t = r["test"]

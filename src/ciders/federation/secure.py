@@ -324,18 +324,8 @@ class Sessions:
             raise PayloadError(f"{cid}: its record of masked rounds is unreadable ({p}); refusing to mask") from exc
 
     def mark_masked(self, cid: str, t: int) -> None:
-        """Atomically records that round t is masked, before y_i leaves the client."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{cid}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(str(int(t)))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.root / f"{cid}.masked")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        """Atomically and durably records that round t is masked, before y_i leaves the client."""
+        self._write(cid, f"{cid}.masked", str(int(t)))
 
     def check_fresh(self, cid: str, t: int) -> None:
         """Refuses round t if this client has masked round t or a later one: a second run of a round would give
@@ -347,15 +337,19 @@ class Sessions:
                                f"round {t} (a rerun would let the server read an update off the difference of sums)")
 
     def save(self, s: sa.Secrets) -> None:
-        """Atomically, and readable by the client's own user only (mkstemp's 0600 is kept: these are private keys)."""
+        """Atomically, and readable by the client's own user only (these are private keys)."""
+        self._write(s.client_id, f"{s.client_id}.json", json.dumps(s.to_json()))
+
+    def _write(self, cid: str, name: str, text: str) -> None:
+        """root/name := text, atomically (os.replace) and fsynced, mode 0600 (mkstemp's, kept)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{s.client_id}.", suffix=".tmp", dir=self.root)
+        fd, tmp = tempfile.mkstemp(prefix=f".{cid}.", suffix=".tmp", dir=self.root)
         try:
             with os.fdopen(fd, "w") as fh:
-                json.dump(s.to_json(), fh)
+                fh.write(text)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, self.root / f"{s.client_id}.json")
+            os.replace(tmp, self.root / name)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
