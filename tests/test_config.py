@@ -385,3 +385,20 @@ def test_a_run_directory_config_reads_relative_paths_as_the_old_runs_meant_them(
     (run / "config.yaml").write_text(dump_yaml(fresh))
     monkeypatch.chdir(run)  # a new run's config.yaml is absolute: the same from anywhere
     assert load_run_config(run / "config.yaml") == fresh
+
+
+def test_the_takd_task_weight_defaults_are_the_measured_ones_the_docs_state():
+    """The task-CE weights decide comparisons (docs/results-cpu.md#the-takd-task-weight-a-dose-response), so the
+    defaults must be the ones the dose-response chose and docs/method.md states, and the configs of documented
+    results must pin the weights they were measured with."""
+    from ciders.config import load_config
+    from ciders.config.base import TAKDConfig
+    from conftest import ROOT
+
+    t = TAKDConfig()
+    assert (t.lambda_task, t.lambda_task_bootstrap) == (0.3, 0.0)
+    doc = (ROOT / "docs" / "method.md").read_text()
+    assert "`lambda_task: 0.3` in the per-round steps and\n`lambda_task_bootstrap: 0`" in doc
+    for name in ("protocol_a", "protocol_b", "protocol_h"):
+        c = load_config(ROOT / "configs" / "cpu" / f"{name}.yaml", []).takd
+        assert (c.lambda_task, c.lambda_task_bootstrap) == (1.0, 1.0), name
