@@ -128,9 +128,9 @@ cpu-protocol-h-ablations: $(STAMP)
 # every method, the paper's server settings, tuned client learning rates, the takd-only control), 3 seeds
 cpu-protocol-r: $(STAMP)
 	$(BIN)/ciders compare configs/cpu/protocol_r.yaml --algorithms ciders-fo,ciders-fd,fedavg,fedprox,scaffold,fedbiot \
-		--seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 10 --out runs/cpu-protocol-r
+		--seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 6 --out runs/cpu-protocol-r
 	$(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.consensus_space=paper \
-		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 10 \
+		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 6 \
 		--out runs/cpu-protocol-r-paper
 	$(BIN)/ciders report runs/cpu-protocol-r
 
