@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def _startup_s() -> float:
         return -1.0
 
 
+def run_phase(worker, f: dict, payload: bytes, cid: str, state: Path, data_file: str | None,
+              phase=None) -> tuple[dict, bytes, bool]:
+    """(fields, bytes, warm): the phase in the node's warm worker (`transports.flower.worker`) when the node has
+    one, which holds torch, the edge model and the data; here, cold, when it has none or it is gone (nothing of
+    the request ran there, so running it here is the same computation)."""
+    phase = phase or ciders_phase
+    if worker:
+        from ciders.transports.flower.worker import WorkerGone, call
+
+        try:
+            fields, out = call(Path(str(worker)), f, payload, cid, state, data_file)
+            return fields, out, True
+        except WorkerGone as exc:
+            print(f"warning: {exc}; running this message cold", file=sys.stderr, flush=True)
+    fields, out = phase(f, payload, cid, state, data_file)
+    return fields, out, False
+
+
 def make_client_app(spec: dict | None = None) -> ClientApp:
     """A ClientApp. `spec` (simulation) may give `clients_root`, where each client gets a directory."""
     spec = dict(spec or {})
@@ -116,15 +135,10 @@ def make_client_app(spec: dict | None = None) -> ClientApp:
         data_file = None if data_file is None else str(data_file)
         worker = context.node_config.get("worker")
         payload = fm.payload_of(msg.content) if phase != "report" else b""
-        if worker:  # the node's warm worker holds torch, the edge model and the data (`transports.flower.worker`)
-            from ciders.transports.flower.worker import call
-
-            fields, out = call(Path(str(worker)), f, payload, cid, state, data_file)
-        else:
-            fields, out = ciders_phase(f, payload, cid, state, data_file)
+        fields, out, warm = run_phase(worker, f, payload, cid, state, data_file)
         if phase == "train" and family == "ciders":  # this message's own timings, beside what the phase measured
             rec = json.loads(fields["record"])
-            rec.update(handle_s=time.perf_counter() - entry, startup_s=started, warm=bool(worker))
+            rec.update(handle_s=time.perf_counter() - entry, startup_s=started, warm=warm)
             fields = {**fields, "record": json.dumps(rec)}
         return Message(fm.pack(fields, out), reply_to=msg)
 
