@@ -13,13 +13,17 @@ silently dropped (tasks.text.read_records).
 
 from __future__ import annotations
 
+import errno
+import gzip
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ciders.errors import CidersError
 from ciders.tasks.paths import expand
-from ciders.tasks.text import DataReport, Example, Records, detect_format, read_records, validate
+from ciders.tasks.text import (
+    MAX_RECORD_BYTES, UNREADABLE, DataReport, Example, Records, detect_format, read_records, unreadable, validate,
+)
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv", ".tsv": "csv",
             ".parquet": "parquet"}
@@ -71,15 +75,58 @@ def check(value: str) -> Source:
     src = parse(value)
     if src.kind == "file":
         p = Path(src.where)
+        if _is_loop(p):
+            raise CidersError(f"data file {value}: its symbolic links form a loop ({p}); point it at a real file")
         if not p.is_file():
             hint = " (set CIDERS_DATA to the datasets directory)" if "CIDERS_DATA" in value else ""
             near = _near(p)
-            raise CidersError(f"data file not found: {value} -> {p.resolve()}{hint}"
+            raise CidersError(f"data file not found: {value} -> {os.path.realpath(p)}{hint}"
                               + (f"; did you mean {near}?" if near else ""))
         if _suffix(src.where) not in BUILDERS:
             raise CidersError(f"data file {value}: unknown suffix {''.join(p.suffixes)!r} (use "
                               f"{', '.join(sorted(BUILDERS))}, optionally .gz)")
+        _check_gzip(p, value)
     return src
+
+
+def _is_loop(p: Path) -> bool:
+    try:
+        p.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
+def _check_gzip(p: Path, value: str) -> None:
+    """A `.gz` name on a file that is not gzip: one line now, not a decoder's traceback later."""
+    if p.suffix.lower() != ".gz":
+        return
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if magic != b"\x1f\x8b":
+        raise CidersError(f"data file {value} is named .gz but is not gzip-compressed (it starts with {magic!r}); "
+                          "compress it, or drop .gz from its name")
+
+
+def _has_long_line(path: str, limit: int = MAX_RECORD_BYTES) -> bool:
+    """Whether a JSON Lines file holds a line longer than `limit` bytes, found by streaming it in 1 MiB chunks
+    (never holding a line): such a file is read line by line (read_records), which skips those lines, so that no
+    reader ever holds one whole. A JSON array document (first byte `[`) is one record set, not lines: False."""
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    run, first = 0, b""
+    try:
+        with opener(path, "rb") as f:
+            while chunk := f.read(2**20):
+                first = first or chunk.lstrip()[:1]
+                if first == b"[":
+                    return False
+                parts = chunk.split(b"\n")
+                if run + len(parts[0]) > limit or any(len(x) > limit for x in parts[1:]):
+                    return True
+                run = run + len(parts[0]) if len(parts) == 1 else len(parts[-1])
+    except UNREADABLE as exc:
+        raise unreadable(path, exc) from exc
+    return False
 
 
 def _near(p: Path) -> str | None:
@@ -103,6 +150,9 @@ def _read_file(src: Source) -> tuple[list[dict], DataReport]:
 
     builder = BUILDERS[_suffix(src.where)]
     kw = {"delimiter": "\t"} if _suffix(src.where) == ".tsv" else {}
+    if builder == "json" and _has_long_line(src.where):
+        rep = DataReport(src.where)
+        return read_records(src.where, rep), rep
     try:
         ds = datasets.load_dataset(builder, data_files=src.where, split="train", **kw)
     except Exception as exc:  # noqa: BLE001 - the builders raise many types for one bad file

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,32 +57,71 @@ class DataReport:
         return s
 
 
+MAX_RECORD_BYTES = 4 * 2**20  # one JSON line; a longer one is skipped without being decoded (docs/data.md#limits)
+TOKEN_CHARS = 256  # longer than any token of the vocabularies we know (SmolLM2's longest is 81 characters)
+
+
 def read_records(path: str | Path, report: DataReport | None = None) -> list[dict]:
-    """JSON Lines (optionally .gz). Undecodable or non-object lines are counted, not fatal."""
+    """JSON Lines (optionally .gz). Undecodable, non-object, too deeply nested or over-long
+    (MAX_RECORD_BYTES) lines are counted, not fatal; a file that cannot be read at all is one CidersError."""
     path = Path(path)
     if not path.is_file():
         raise CidersError(f"data file not found: {path}")
     report = report if report is not None else DataReport(str(path))
-    opener = gzip.open if path.suffix == ".gz" else open
     out = []
-    with opener(path, "rb") as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            report.records += 1
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                report.skipped["non-UTF-8"] += 1
-                continue
-            except json.JSONDecodeError:
-                report.skipped["invalid JSON"] += 1
-                continue
-            if not isinstance(rec, dict):
-                report.skipped["not a JSON object"] += 1
-                continue
-            out.append(rec)
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            for raw in _bounded_lines(f, report):
+                rec = _decode(raw, report)
+                if rec is not None:
+                    out.append(rec)
+    except UNREADABLE as exc:
+        raise unreadable(path, exc) from exc
     return out
+
+
+UNREADABLE = (OSError, EOFError, zlib.error)  # BadGzipFile is an OSError; EOFError: a truncated .gz
+
+
+def unreadable(path: str | Path, exc: BaseException) -> CidersError:
+    """One line for a data file that cannot be read at all (an I/O error, a corrupt or truncated .gz)."""
+    gz = str(path).lower().endswith(".gz")
+    return CidersError(f"cannot read {path}: {type(exc).__name__}: {str(exc)[:200]}"
+                       + ("; is it a complete gzip file?" if gz else ""))
+
+
+def _bounded_lines(f: Any, report: DataReport) -> Iterable[bytes]:
+    """The non-blank lines of a binary file, none held beyond MAX_RECORD_BYTES: an over-long line is counted
+    and skipped in chunks, so a hostile file cannot make the reader hold it whole."""
+    while raw := f.readline(MAX_RECORD_BYTES + 1):
+        if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+                pass
+            report.records += 1
+            report.skipped[f"longer than {MAX_RECORD_BYTES // 2**20} MiB"] += 1
+            continue
+        if raw.strip():
+            report.records += 1
+            yield raw
+
+
+def _decode(raw: bytes, report: DataReport) -> dict | None:
+    """One JSON line -> a dict, or None with the reason counted."""
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        report.skipped["non-UTF-8"] += 1
+        return None
+    except json.JSONDecodeError:
+        report.skipped["invalid JSON"] += 1
+        return None
+    except RecursionError:  # json's C decoder recurses once per nesting level
+        report.skipped["nested too deeply"] += 1
+        return None
+    if not isinstance(rec, dict):
+        report.skipped["not a JSON object"] += 1
+        return None
+    return rec
 
 
 FORMATS = ("gsm8k", "instruction", "mbpp", "metamath", "prompt_completion", "chat")
@@ -286,8 +326,11 @@ def tokenize(examples: Sequence[Example], tokenizer: Any, max_length: int, repor
             tail = []
         else:
             prompt, response, tail = ex.prompt, ex.response, [eos] if eos is not None else []
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(response, add_special_tokens=False)["input_ids"] + tail
+        # Text beyond max_length * TOKEN_CHARS characters is truncated below anyway (every token is shorter), so
+        # it is cut before tokenizing: a multi-MiB record costs its cut's tokens, not gigabytes of them.
+        cap = max_length * TOKEN_CHARS
+        p = tokenizer(prompt[-cap:], add_special_tokens=False)["input_ids"]
+        r = tokenizer(response[:cap], add_special_tokens=False)["input_ids"] + tail
         if len(p) + len(r) > max_length:
             keep_r = min(len(r), max(max_length // 4, max_length - len(p)))
             p, r = p[len(p) - (max_length - keep_r):] if max_length > keep_r else [], r[:keep_r]
