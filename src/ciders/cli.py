@@ -224,7 +224,8 @@ def _cmd_export(a: argparse.Namespace) -> int:
     if not (run / "config.yaml").is_file():
         raise CidersError(f"{run}: not a run directory (no config.yaml) nor a Flower node's state directory "
                           "(no edge/ciders_edge.json)")
-    check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"])  # export_edge_model writes the marker
+    # before the model is built: a bad --out (under a file, /proc, a dangling link) fails in a second
+    check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"], beside=True)  # export_edge_model marks it
     cfg = load_run_config(run / "config.yaml")
     d, tok = build(cfg)
     if a.client:
@@ -252,7 +253,7 @@ def _export_node(a: argparse.Namespace, state: Path) -> int:
 
     if a.messenger:
         raise CidersError("--messenger: a node exports its own personalized messenger; drop --messenger")
-    check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"])
+    check_output(a.out, "export", a.force, LEGACY_OUTPUTS["export"], beside=True)  # before the model is built
     d, tok, cfg, messenger, cid, rnd = node_model(state)
     if a.client and a.client != cid:
         raise CidersError(f"{state} is {cid}'s node, not {a.client}'s")

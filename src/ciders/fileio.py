@@ -264,11 +264,57 @@ def locked(root: str | os.PathLike, what: str = "run directory") -> Iterator[Non
 MARKER = ".ciders-output"
 
 
-def check_output(path: str | os.PathLike, command: str, force: bool = False, legacy: tuple[str, ...] = ()) -> bool:
+# kernel pseudo-filesystems: never a place for files (mkdir fails there; what exists is a kernel setting)
+PSEUDO_FS = (Path("/proc"), Path("/sys"))
+
+
+def check_out_path(path: str | os.PathLike, beside: bool = False) -> None:
+    """A one-line error when `path` cannot become a directory ciders writes: a dangling symlink on the way,
+    a file where a directory must be, a kernel pseudo-filesystem, a place that is not writable. Cheap, so
+    commands call it before any expensive work (an export before it builds the model). `beside`: the
+    output is built in a scratch directory beside `path` (`output_dir`), so its parent is written too."""
+    path = Path(os.path.abspath(path))
+    probe = path  # the nearest component that is there (a symlink counts, even a dangling one)
+    while not os.path.lexists(probe):
+        probe = probe.parent
+    if probe.is_symlink() and not probe.exists():
+        raise CidersError(f"{probe} is a symlink to {os.readlink(probe)}, which does not exist (a dangling link); "
+                          "create its target directory or choose another --out")
+    if probe != path and not probe.is_dir():
+        raise CidersError(f"{path} is under {probe}, which is a file, not a directory; choose an --out whose "
+                          "parent is a directory")
+    real = Path(os.path.realpath(path))
+    for fs in PSEUDO_FS:
+        if real.is_relative_to(fs):
+            raise CidersError(f"{path} is on {fs}, a kernel pseudo-filesystem that holds no files; choose an "
+                              "--out on a disk")
+    _check_writable(path, probe, beside)
+
+
+def _check_writable(path: Path, probe: Path, beside: bool) -> None:
+    """The directories the command creates entries in: the one that will hold `path` (its nearest existing
+    ancestor when it is not there yet) and `path` itself when it exists."""
+    dirs = [probe] if probe != path else [path] + ([_existing(path.parent)] if beside else [])
+    for d in dirs:
+        if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+            raise CidersError(f"cannot write {d}: permission denied (or a read-only file system); make it "
+                              "writable or choose another --out")
+
+
+def _existing(path: Path) -> Path:
+    while not os.path.lexists(path):
+        path = path.parent
+    return path
+
+
+def check_output(path: str | os.PathLike, command: str, force: bool = False, legacy: tuple[str, ...] = (),
+                 beside: bool = False) -> bool:
     """Whether `path` may be the output directory of `command`, as a one-line error when not: it may be
     absent, empty, an earlier output of the same command (its marker file says so, or, for a directory
-    written before markers existed, it holds one of the `legacy` files), or anything with `force`.
+    written before markers existed, it holds one of the `legacy` files), or anything with `force`; and it
+    must be a place that can be written (`check_out_path`, `beside` as there).
     Writes nothing; True when `path` is already the command's own."""
+    check_out_path(path, beside)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CidersError(f"{path} is a file; --out must name a directory")
@@ -322,10 +368,37 @@ def _merge(tmp: Path, path: Path, command: str, new: list[str]) -> None:
     old: set[str] = set()
     if output_owner(path) == command:
         listed = json.loads((path / MARKER).read_text(encoding="utf-8")).get("files", [])
-        old = {f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()}
+        old = {f for f in listed if isinstance(f, str)}
+    for rel in new:  # all checked before the first file moves: a refused export leaves `path` as it was
+        _check_target(path, rel)
     for rel in new:
         makedirs((path / rel).parent)
         os.replace(tmp / rel, path / rel)
     for rel in sorted(old - set(new)):
-        (path / rel).unlink(missing_ok=True)
+        target = path / rel
+        # a listed name that leads outside `path` (a symlinked directory, `..`) or to a directory is skipped:
+        # the marker is a file anyone could edit, and only the output's own files may go
+        if _inside(path, rel) and (target.is_symlink() or target.is_file()):
+            target.unlink(missing_ok=True)  # a symlink itself is removed, never what it points to
     write_json(path / MARKER, {"command": command, "files": new})
+
+
+def _inside(path: Path, rel: str) -> bool:
+    """Whether `path`/`rel` names an entry of the directory `path` itself: a relative name without `..`
+    whose directories resolve to where they stand, i.e. are not symlinks. Through a symlinked directory a
+    write or a delete would land outside the output (or on another of its files)."""
+    r = Path(rel)
+    if r.is_absolute() or ".." in r.parts:
+        return False
+    return os.path.realpath(path / r.parent) == os.path.join(os.path.realpath(path), *r.parent.parts)
+
+
+def _check_target(path: Path, rel: str) -> None:
+    target = path / rel
+    if not _inside(path, rel):
+        raise CidersError(f"{target.parent} is reached through a symlinked directory (it leads to "
+                          f"{os.path.realpath(target.parent)}); ciders writes only into the real directories of "
+                          f"{path}: replace the link by a directory, or choose another --out")
+    if target.is_dir() and not target.is_symlink():
+        raise CidersError(f"{target} is a directory where ciders writes a file; move it away or choose another "
+                          "--out")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ciders.errors import CidersError
-from ciders.fileio import output_dir
+from ciders.fileio import check_out_path, output_dir
 from ciders.models.adapters import State
 from ciders.models.decompose import Decomposition
 
@@ -59,6 +59,7 @@ def export_edge_model(
         raise CidersError(f"export format {fmt!r}: one of {', '.join(FORMATS)}")
     if fmt != "hf" and tokenizer is None:
         raise CidersError(f"a {fmt} export needs the tokenizer")
+    check_out_path(out_dir, beside=True)  # a bad out_dir fails now, not after the merge and the conversion
     if messenger is not None:
         d.load_messenger(messenger)
     if student is not None:
