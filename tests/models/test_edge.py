@@ -3,6 +3,9 @@ is the server's AdapEmu (same keys, same outputs bit for bit), and a spec from t
 anything is written."""
 
 import json
+import math
+import sys
+import time
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 from ciders.config import LoraConfig
 from ciders.core.wire import PayloadError
 from ciders.errors import CidersError
-from ciders.models import edge, edge_spec as es
+from ciders.models import edge, edge_guard as guard, edge_spec as es
 from ciders.models.decompose import decompose
 from ciders.models.load import byte_tokenizer, load_model
 from helpers import ARCHS, randomize_lora
@@ -105,3 +108,115 @@ def test_the_setup_message_is_checked_before_it_is_stored(tmp_path):
         _setup({**msg, "names": "config.json"}, "client0", tmp_path)
     assert _setup(msg, "client0", tmp_path) == {"client_id": "client0", "edge": es.spec_digest(files)}
     assert es.held_digest(tmp_path / "edge") == es.spec_digest(files)
+
+
+# ------------------------------------------------------------------ first contact: sizes and templates (issue 34)
+
+
+def _with_config(files, **changes):
+    return {**files, "config.json": json.dumps({**json.loads(files["config.json"]), **changes}).encode()}
+
+
+def _setup_msg(files):
+    names = sorted(files)
+    return {"kind": "setup", "sha": es.spec_digest(files), "names": names,
+            **{f"file{i}": files[n] for i, n in enumerate(names)}}
+
+
+def _peak_mib():
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+HUGE_VOCAB = 2**28  # with hidden_size 64: 2**34 float32 parameters, 64 GiB, from a 2 KB config.json
+
+
+def test_a_config_claiming_a_huge_vocabulary_is_refused_at_setup_without_allocating(tmp_path):
+    from ciders.transports.flower.edge_phase import setup as _setup
+
+    files = _with_config(_spec(), vocab_size=HUGE_VOCAB)
+    assert len(files["config.json"]) < 4096
+    peak, t0 = _peak_mib(), time.monotonic()
+    with pytest.raises(PayloadError, match=f"over the limit of {guard.MAX_EDGE_PARAMS:,}.*vocab_size={HUGE_VOCAB}"):
+        _setup(_setup_msg(files), "client0", tmp_path)
+    assert time.monotonic() - t0 < 5 and _peak_mib() - peak < 512  # refused from shapes, nothing materialized
+    assert es.held_digest(tmp_path / "edge") == ""  # and not stored
+
+
+def test_a_stored_config_over_the_limit_is_refused_before_the_placeholder_model(tmp_path):
+    es.write_spec(tmp_path / "edge", _with_config(_spec(), vocab_size=HUGE_VOCAB))  # e.g. stored by an older client
+    peak, t0 = _peak_mib(), time.monotonic()
+    with pytest.raises(PayloadError, match=f"vocab_size={HUGE_VOCAB}"):
+        edge.load_edge(tmp_path / "edge", torch.device("cpu"), torch.float32)
+    assert time.monotonic() - t0 < 5 and _peak_mib() - peak < 512
+
+
+def test_the_limit_is_the_nodes_own(tmp_path, monkeypatch):
+    files = _spec()
+    shapes = guard.check_config(json.loads(files["config.json"]))
+    monkeypatch.setenv(guard.PARAMS_ENV, str(sum(math.prod(s) for s in shapes.values()) - 1))
+    with pytest.raises(PayloadError, match="over the limit"):
+        guard.check_config(json.loads(files["config.json"]))
+
+
+def _drop_last_layer(directory):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(directory / es.WEIGHTS))
+    last = max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
+    kept = {k: v for k, v in state.items() if not k.startswith(f"model.layers.{last}.")}
+    save_file(kept, str(directory / es.WEIGHTS))
+
+
+def _grow_vocab(directory):
+    conf = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**conf, "vocab_size": conf["vocab_size"] * 4}))
+
+
+@pytest.mark.parametrize("tamper, match", [(_drop_last_layer, r"[1-9]\d* missing, 0 unexpected.*model\.layers\."),
+                                           (_grow_vocab, r"embed_tokens.weight is \[1280, 64\] in config.json, "
+                                                         r"\[320, 64\] received")])
+def test_a_config_unlike_the_weights_it_came_with_is_refused(tamper, match, tmp_path):
+    d = server("tiny-qwen2")
+    e, _ = edge_from(d, tmp_path / "edge")
+    edge.save_edge_weights(e, tmp_path / "edge")
+    tamper(tmp_path / "edge")
+    with pytest.raises(PayloadError, match=f"does not match the weights received.*({match})"):
+        edge.load_edge(tmp_path / "edge", torch.device("cpu"), torch.float32)
+
+
+def test_an_honest_config_implies_exactly_the_emulator_weights(tmp_path):
+    d = server("tiny-qwen2")
+    e, _ = edge_from(d, tmp_path / "edge")
+    path = edge.save_edge_weights(e, tmp_path / "edge")
+    conf = json.loads((tmp_path / "edge" / "config.json").read_text())
+    assert guard.check_config(conf, guard.stored_shapes(path)) == {
+        k.replace(".base_layer.", "."): tuple(v.shape) for k, v in d.emulator_base_state().items()}
+    assert edge.load_edge(tmp_path / "edge", torch.device("cpu"), torch.float32)[1]
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{% for i in range(10**10) %}x{% endfor %}", "Range too big"),  # jinja2's sandbox refuses it; one line now
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran over its bound"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+])
+def test_a_hostile_chat_template_is_refused_within_seconds(template, match):
+    tok = guard.bound_chat_template(byte_tokenizer())
+    tok.chat_template = template
+    before, t0 = sys.gettrace(), time.monotonic()
+    with pytest.raises(PayloadError, match=f"chat template .*{match}") as info:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert time.monotonic() - t0 < 5 and "\n" not in str(info.value)
+    assert sys.gettrace() is before  # the tracer is gone: later code runs at full speed
+
+
+def test_an_honest_chat_template_renders_as_before():
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|eos|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    plain, bounded = byte_tokenizer(), guard.bound_chat_template(byte_tokenizer())
+    plain.chat_template = bounded.chat_template = template
+    conv = [{"role": r, "content": f"turn {i}"} for i in range(200) for r in ("user", "assistant")]
+    for gen in (False, True):
+        assert (bounded.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+                == plain.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen))

@@ -136,3 +136,18 @@ def test_a_node_exports_its_personalized_model_by_itself(setup, tmp_path, capsys
     assert "client **client1**'s personalized messenger" in card and "Exported on the node" in card
     info = __import__("json").loads((tmp_path / "out-node" / "ciders_export.json").read_text())
     assert info["client"] == "client1" and info["record_round"] == 0
+
+
+def test_the_servers_chat_template_is_rendered_bounded_on_the_client(setup):
+    import time
+
+    from ciders.tasks.text import Example, render_chat
+
+    cfg, server, state = setup
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 10^10 steps
+    write_spec(state / "edge", {**server.edge_spec(), "chat_template.jinja": loop.encode()})
+    task = EdgeTask(cfg, state, "client0")
+    t0 = time.monotonic()
+    with pytest.raises(PayloadError, match="chat template ran over its bound"):
+        render_chat(Example("hi", "ho", (("user", "hi"),)), task.tok)
+    assert time.monotonic() - t0 < 5

@@ -32,6 +32,7 @@ from ciders.errors import CidersError
 from ciders.fileio import atomic_path
 from ciders.models import adapters as ad
 from ciders.models.decompose import MESSENGER, STUDENT, Decomposition, composite
+from ciders.models.edge_guard import check_config, stored_shapes
 from ciders.models.edge_spec import META, SPEC_FILES, WEIGHTS, check_spec
 from ciders.models.split import Split
 from ciders.runtime import derive_seed
@@ -116,12 +117,18 @@ def edge_decompose(model: nn.Module, split: Split, messenger_lora: LoraConfig | 
 def load_edge(directory: str | Path, device: torch.device, dtype: torch.dtype,
               attn_implementation: str | None = None) -> tuple[nn.Module, bool]:
     """AdapEmu's plain base from the edge directory: loaded memory-mapped when its weights are stored
-    (True), else built from config.json with placeholder weights that the first broadcast replaces (False)."""
+    (True), else built from config.json with placeholder weights that the first broadcast replaces (False).
+    Either way only after `edge_guard.check_config` (a PayloadError for a config over the size limit or unlike
+    the stored weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
     kw = {"dtype": dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {})}
-    if (directory / WEIGHTS).is_file():
+    stored = (directory / WEIGHTS).is_file()
+    # before anything is allocated: config.json's size against the limit and the weights stored with it
+    check_config(json.loads((directory / "config.json").read_text(encoding="utf-8")),
+                 stored_shapes(directory / WEIGHTS) if stored else None)
+    if stored:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(str(directory), output_loading_info=True, **kw)
         except Exception as exc:  # a torn or foreign file: say which, never train on it

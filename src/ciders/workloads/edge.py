@@ -24,6 +24,7 @@ from ciders.core.wire import PayloadError
 from ciders.errors import CidersError
 from ciders.models import edge as me
 from ciders.models import edge_spec as es
+from ciders.models.edge_guard import bound_chat_template
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.models.split import split_layers
 from ciders.federation.rounds import StaticHolder
@@ -42,7 +43,8 @@ def _edge_model(cfg: ExperimentConfig, edge: Path, meta: dict):
     dev = resolve_device(cfg.model.device)
     model, loaded = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation)
     d = me.edge_decompose(model, es.split_of(meta), cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
-    tok = AutoTokenizer.from_pretrained(str(edge))
+    # the chat template is the server's code: every render is bounded (a hostile loop is an error, not a hang)
+    tok = bound_chat_template(AutoTokenizer.from_pretrained(str(edge)))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return d, tok, loaded

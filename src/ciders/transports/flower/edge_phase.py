@@ -31,9 +31,11 @@ def _task(cfg_text: str, state: Path, cid: str, data_file: str | None):
 
 
 def setup(f: dict, cid: str, state: Path) -> dict:
-    """First contact: store the edge spec the server sent (checked: names, sizes, the split) in state/edge."""
-    from ciders.core.wire import PayloadError
-    from ciders.models.edge_spec import MAX_SPEC_BYTES, check_spec, spec_digest, write_spec
+    """First contact: store the edge spec the server sent (checked: names, sizes, the split, and the size of the
+    model its config.json implies, computed without allocating it) in state/edge."""
+    from ciders.core.wire import PayloadError, loads_json
+    from ciders.models.edge_guard import check_config
+    from ciders.models.edge_spec import MAX_JSON_BYTES, MAX_SPEC_BYTES, check_spec, spec_digest, write_spec
 
     names = f.get("names")
     if not isinstance(names, list) or not 0 < len(names) <= 32 or not all(isinstance(n, str) for n in names):
@@ -44,6 +46,8 @@ def setup(f: dict, cid: str, state: Path) -> dict:
     check_spec(files)
     if spec_digest(files) != f.get("sha"):
         raise PayloadError(f"{cid}: the edge spec's digest does not match the one the server sent")
+    # refused here, before it is stored, rather than when the client builds its placeholder model from it
+    check_config(loads_json(files["config.json"], "edge spec config.json", max_bytes=MAX_JSON_BYTES))
     return {"client_id": cid, "edge": write_spec(state / "edge", files)}
 
 
