@@ -182,3 +182,90 @@ def test_segment_rule_windows_and_the_covering_number_it_sets():
             assert ms[i].x["block1.conv.bias"].nonzero().flatten().tolist() == [2 * segs[i], 2 * segs[i] + 1]
     with pytest.raises(Exception, match="rabo.segments: each must be an integer >= 0"):
         replace(RaboConfig(), segments=(0, -1)).validate()
+
+
+# ------------------------------------------------------------------ bn_scale: an importance score that tracks training
+
+
+def _conv4(width=16):
+    from ciders.models import vision as vz
+
+    return vz.conv4_init(width=width, seed=0), vz.conv4_groups()
+
+
+def _kept(p, groups, norm, ratio=0.25):
+    m = mk.structured_masks(p, ratio, "importance", norm=norm, groups=groups)
+    return {i: set(torch.nonzero(m[f"block{i}.conv.bias"]).flatten().tolist()) for i in range(4)}
+
+
+def test_bn_scale_ranks_by_the_scale_and_breaks_ties_by_l1():
+    p, groups = _conv4()
+    assert _kept(p, groups, "bn_scale") == _kept(p, groups, "l1")  # every scale 1 at init: the l1 mask
+    g = torch.arange(16.0).flip(0)  # channel 0 largest ... 15 smallest, sign ignored
+    p = {**p, "block1.bn.weight": -g}
+    assert _kept(p, groups, "bn_scale")[1] == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="mask norm"):
+        mk.kept_units(p["block0.conv.weight"], 0.5, "importance", norm="l3")
+
+
+def test_bn_scale_sees_what_the_network_computes_and_l1_does_not():
+    """Scaling a conv channel's weights and bias leaves a batch-statistics BN's output unchanged (the function
+    is the same), yet moves the L1 ranking; bn_scale keeps its mask. Scaling the BN's scale does change the
+    function, and bn_scale follows it."""
+    from ciders.models import vision as vz
+
+    p, groups = _conv4()
+    gen = torch.Generator().manual_seed(2)
+    p = {**p, **{f"block{i}.bn.weight": 1 + 0.1 * torch.randn(16, generator=gen) for i in range(4)}}  # trained-like
+    imgs = torch.rand(8, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    low = sorted(set(range(16)) - _kept(p, groups, "l1")[2])[:4]  # four channels the l1 mask drops
+    q = dict(p)
+    for k in ("block2.conv.weight", "block2.conv.bias"):
+        q[k] = p[k].clone()
+        q[k][low] *= 100.0
+    assert torch.allclose(vz.conv4_features(q, imgs), vz.conv4_features(p, imgs), atol=1e-4)
+    assert _kept(q, groups, "l1")[2] == set(low)  # l1 follows a change the network cannot see
+    assert _kept(q, groups, "bn_scale") == _kept(p, groups, "bn_scale")
+    q = {**p, "block2.bn.weight": p["block2.bn.weight"].clone()}
+    q["block2.bn.weight"][low] = 3.0
+    assert _kept(q, groups, "bn_scale")[2] == set(low)
+
+
+def test_bn_scale_masks_move_with_training_on_real_episodes():
+    """20 ProtoNet steps on real Omniglot episodes: the bn_scale masks leave their initial units (14 of the 16
+    kept units changed, against 9 for the L1 masks of the same weights; docs/rabo.md#importance-under-batch-norm)."""
+    from ciders.algorithms.dist_protonet import protonet_loss
+    from ciders.models import vision as vz
+    from ciders.tasks import omniglot as om
+    from helpers import vendored
+
+    pool = om.load_characters(vendored("omniglot-slice", "images_background_small1.zip"))
+    chars, g = sorted(pool), torch.Generator().manual_seed(0)
+    p, groups = _conv4()
+    start = {n: _kept(p, groups, n) for n in ("l1", "bn_scale")}
+    x = {k: v.clone().requires_grad_(True) for k, v in p.items()}
+    opt = torch.optim.SGD(x.values(), lr=0.1)
+    for _ in range(20):
+        opt.zero_grad()
+        protonet_loss(vz.conv4_features, x, om.episode(pool, chars, 5, 1, 3, g)).backward()
+        opt.step()
+    trained = {k: v.detach() for k, v in x.items()}
+    moved = {n: sum(len(start[n][i] - _kept(trained, groups, n)[i]) for i in range(4)) for n in start}
+    assert moved["bn_scale"] >= 8, moved  # of 16 kept units (4 per layer)
+    assert moved["bn_scale"] > moved["l1"], moved
+
+
+def test_bn_scale_through_rabo_client_masks_and_the_conv4_plan():
+    from ciders.algorithms import rabo as rb
+    from ciders.models import vision as vz
+
+    x = vz.conv4_init(width=16, seed=0)
+    x["block3.bn.weight"] = torch.arange(16.0)  # channels 12-15 have the largest scales
+    y = vz.linear_init(5, 16)
+    units = {"x": vz.conv4_units(), "y": vz.linear_units("block3.conv")}
+    for norm, want in (("bn_scale", {12, 13, 14, 15}), ("l1", None)):
+        cfg = rb.RaboConfig(mask_norm=norm)
+        m = rb.client_masks(cfg, rb.init_state(x, y), 0.25, units=units)
+        kept = set(torch.nonzero(m.x["block3.conv.bias"]).flatten().tolist())
+        assert len(kept) == 4 and (want is None or kept == want)
+        assert set(torch.nonzero(m.y["head.weight"].sum(0)).flatten().tolist()) == kept  # the head's columns follow

@@ -117,7 +117,9 @@ class RaboConfig:
                                         "segments[i mod len] * k of every layer, for all rounds (the C_x* ablation); "
                                         "empty = segment i")
     mask_target: Literal["both", "y"] = opt("both", "y: hyperparameter tasks, where every client needs all of x")
-    mask_norm: Literal["l1", "l2"] = opt("l1", "importance score of a unit: the l1 or l2 norm of its weights")
+    mask_norm: Literal["l1", "l2", "bn_scale"] = opt("l1", "importance score of a unit: the l1 or l2 norm of its "
+                                                           "weights, or bn_scale: |scale| of its layer's BN "
+                                                           "(ties: l1), which tracks training under BN")
     keep_full: tuple[str, ...] = opt((), "layers never pruned (e.g. head: outputs are the classes)")
     inner_steps: int = opt(5, "T: local inner steps on y per round")
     beta: float = opt(0.1, "inner learning rate")

@@ -17,7 +17,9 @@ layer (module prefix, or the `groups` map, e.g. a BatchNorm following its conv) 
 pruned: output units only. A layer's units are counted and scored on its lead: its first >= 2-D
 parameter; a layer without one is never pruned. A layer keeps k = max(1, round(R * units)) units.
 Extraction rules:
-  importance  the k units with the largest L1 (or L2) norm of the current global weights (RABO)
+  importance  the k units with the largest L1 (or L2) norm of the current global weights (RABO); with
+              norm `bn_scale`, the largest |scale| of the layer's normalisation (ties: L1), which tracks
+              training under batch-statistics BN where the weights' norm does not (docs/rabo.md)
   static      the first k units: a fixed leading sub-model (HeteroFL, Diao et al., ICLR 2021)
   rolling     a window of k units starting at unit (round mod out), wrapping (FedRolex, Alam et al.,
               NeurIPS 2022)
@@ -68,11 +70,18 @@ def layer_groups(params: Mapping[str, torch.Tensor], groups: Mapping[str, str] |
     return out
 
 
+NORMS = ("l1", "l2", "bn_scale")
+
+
 def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, norm: str = "l1", *,
                client: int = 0, n_clients: int = 1, capacities: Sequence[float] | None = None,
-               segment: int = 0) -> torch.Tensor:
+               segment: int = 0, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Sorted indices of the output units (dim 0) a layer keeps. `client`, `n_clients`, `capacities` (every
-    client's ratio, `capacities[client] == ratio`) are read by the `oap` rule only, `segment` by `segment`."""
+    client's ratio, `capacities[client] == ratio`) are read by the `oap` rule only, `segment` by `segment`.
+    `scale` ([units], norm `bn_scale`): the layer's normalisation scale magnitudes, ranked first, ties
+    (e.g. every scale 1 at initialisation) broken by the L1 norm of `weight`."""
+    if norm not in NORMS:
+        raise ValueError(f"mask norm must be one of {', '.join(NORMS)}, got {norm!r}")
     if rule not in RULES:
         raise ValueError(f"mask rule must be one of {', '.join(RULES)}, got {rule!r}")
     if not 0 < ratio <= 1:
@@ -89,13 +98,22 @@ def kept_units(weight: torch.Tensor, ratio: float, rule: str, round_: int = 0, n
         if isinstance(segment, bool) or not isinstance(segment, int) or segment < 0:
             raise ValueError(f"segment must be an integer >= 0, got {segment!r}")
         return torch.sort((torch.arange(k) + segment * k) % n).values
-    w = weight.detach().reshape(n, -1).float()
-    score = w.abs().sum(1) if norm == "l1" else w.pow(2).sum(1)
-    # stable ordering: ties go to the lower index, so every party computes the same mask
-    order = torch.argsort(-score, stable=True)
+    order = _ranking(weight, norm, scale)
     if rule == "oap":
         return torch.sort(order[_oap_positions(n, ratio, round_, client, n_clients, capacities)]).values
     return torch.sort(order[:k]).values
+
+
+def _ranking(weight: torch.Tensor, norm: str, scale: torch.Tensor | None) -> torch.Tensor:
+    """Units by decreasing score. Stable sorts: ties go to the lower index, so every party computes the same
+    mask. `bn_scale`: by |scale| first (a batch-statistics BN makes a unit's output independent of its weights'
+    norm, so only its scale says how much it contributes), the weights' L1 norm breaking ties."""
+    n = weight.shape[0]
+    w = weight.detach().reshape(n, -1).float()
+    order = torch.argsort(-(w.pow(2).sum(1) if norm == "l2" else w.abs().sum(1)), stable=True)
+    if norm == "bn_scale" and scale is not None:
+        order = order[torch.argsort(-scale.detach().float().abs()[order], stable=True)]
+    return order
 
 
 def _oap_positions(n: int, ratio: float, round_: int, client: int, n_clients: int,
@@ -174,8 +192,9 @@ def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str
         if lead is None or layer in keep_full or layer in full_layers or rule == "full":
             keep[layer] = torch.arange(size)
         else:
+            scale = layer_scale(params, units, layer, size) if norm == "bn_scale" else None
             keep[layer] = kept_units(params[lead], ratio, rule, round_, norm, client=client, n_clients=n_clients,
-                                     capacities=capacities, segment=segment)
+                                     capacities=capacities, segment=segment, scale=scale)
     masks: State = {}
     for n, p in params.items():
         m = torch.ones_like(p)
@@ -188,6 +207,15 @@ def structured_masks(params: Mapping[str, torch.Tensor], ratio: float, rule: str
                 m = m * on.view(shape).to(p.dtype)
         masks[n] = m
     return masks
+
+
+def layer_scale(params: Mapping[str, torch.Tensor], units: Units, layer: str, size: int) -> torch.Tensor | None:
+    """|scale| per unit of a layer: the sum over its 1-D `*.weight` parameters (its normalisation scales; a
+    residual layer of `resnet12_groups` has two, its BN and its shortcut's), or None when it has none (the
+    layer is then ranked by its weights' L1 norm, as `importance`)."""
+    scales = [p.detach().float().abs() for n, p in params.items()
+              if units[n][0] == layer and p.dim() == 1 and n.endswith("weight") and p.shape[0] == size]
+    return torch.stack(scales).sum(0) if scales else None
 
 
 def _magnitude_mask(p: torch.Tensor, ratio: float) -> torch.Tensor:
