@@ -209,9 +209,18 @@ def test_shares_from_an_impostor_do_not_decrypt():
     s0, _ = sa.client_shares(p, s["client0"][0], keys)
     _, cts1 = sa.client_shares(p, s["client1"][0], keys)
     _, cts2 = sa.client_shares(p, s["client2"][0], keys)
-    with pytest.raises(PayloadError, match="do not decrypt"):  # client2's ciphertext passed off as client1's
+    # client2's ciphertext passed off as client1's: client1 is reported (not masked with) instead of the round
+    # failing, and the client still refuses to go on with fewer than t - 1 valid neighbours
+    with pytest.raises(PayloadError, match="valid shares from 0"):
         sa.client_receive(p, s0, {"client1": cts2["client0"]})
-    sa.client_receive(p, s0, {"client1": cts1["client0"], "client2": cts2["client0"]})
+    got = sa.client_receive(p, s0, {"client1": cts2["client0"], "client2": cts2["client0"]})
+    assert got.failed == ("client1",) and set(got.held) == {"client0", "client2"}
+    got = sa.client_receive(p, s0, {"client1": cts1["client0"], "client2": cts2["client0"]})
+    assert got.failed == () and set(got.held) == set(p.members)
+    assert sa.Secrets.from_json(sa.client_receive(p, s0, {"client1": cts2["client0"], "client2": cts2["client0"]})
+                                .to_json()).failed == ("client1",)
+    assert all(sa.fernet_shaped(ct) for ct in (*cts1.values(), *cts2.values()))
+    assert not any(sa.fernet_shaped(b) for b in (b"", b"x" * 200, bytes(range(200)), cts1["client0"][:-4]))
 
 
 def test_the_fixed_point_sum_cannot_wrap_within_the_configured_range():

@@ -21,7 +21,11 @@ Round with members S (the sampled clients, in sampling order) and threshold t; G
           every active member of G_i and its sk_s-share of every dropped one, never both for one client
   server  sum_i y_i - sum_{active} PRG(b_i) - the pair masks the active clients added for dropped ones
           = sum_{active} q(v_i); then q^-1. A rebuilt secret is checked (b against H(b), sk_s against pk_s)
-          before it is used, so a bad share cannot silently corrupt the sum.
+          before it is used, so a bad share cannot silently corrupt the sum; the sum must lie within what
+          |active| clipped inputs can add up to (an altered masked vector fails the round, it cannot be named).
+Cheating clients (`unmask_checked`'s `cheats`): a peer whose shares do not open is reported (A_i leaves it out)
+and dropped for the round; the server proves, from what it holds, a commitment that the agreeing shares of at
+least t + 1 holders contradict, and a report whose pair mask the client added after all.
 Quantization q(v) = round(clamp(v, -clip, clip) * 2^f) (round half to even, in float64): the sum of n
 clients is within n * 2^-(f+1) of the exact sum per coordinate, and cannot wrap while n * clip * 2^f < 2^63.
 """
@@ -43,6 +47,7 @@ from ciders.errors import PayloadError
 MAX_KEY_BYTES = 1024  # a PEM public key on SECP384R1 is 215 bytes
 MAX_CIPHERTEXT = 8192  # an encrypted share pair is under 1 KiB
 MAX_SUBSETS = 64  # share subsets tried when a rebuilt secret fails its check
+MAX_CLAIMS = 8  # complaints of a round whose truth the server tests (2^8 sums at most)
 
 
 class SecAggError(RuntimeError):
@@ -186,10 +191,11 @@ class Secrets:
     held: dict = field(default_factory=dict)  # src -> (b share, sk_s share), own included
     masked: bool = False  # sent y_i
     answered: bool = False  # sent its unmask shares (at most once a round)
+    failed: tuple = ()  # peers whose shares did not decrypt or check: reported to the server, not masked with
 
     def to_json(self) -> dict:
         return {"client_id": self.client_id, "round": self.round, "masked": self.masked, "answered": self.answered,
-                "members": list(self.members),
+                "members": list(self.members), "failed": list(self.failed),
                 **{k: _b64(getattr(self, k)) for k in ("sk_c", "sk_s", "pk_c", "pk_s", "seed")},
                 "peers": {c: [_b64(a), _b64(b)] for c, (a, b) in self.peers.items()},
                 "held": {c: [_b64(a), _b64(b)] for c, (a, b) in self.held.items()}}
@@ -199,7 +205,7 @@ class Secrets:
         return Secrets(d["client_id"], int(d["round"]), *(_unb64(d[k]) for k in ("sk_c", "sk_s", "pk_c", "pk_s", "seed")),
                        members=tuple(d["members"]), peers={c: (_unb64(a), _unb64(b)) for c, (a, b) in d["peers"].items()},
                        held={c: (_unb64(a), _unb64(b)) for c, (a, b) in d["held"].items()},
-                       masked=bool(d["masked"]), answered=bool(d["answered"]))
+                       masked=bool(d["masked"]), answered=bool(d["answered"]), failed=tuple(d.get("failed", ())))
 
 
 def client_keys(p: Params, cid: str) -> tuple[Secrets, dict]:
@@ -246,25 +252,47 @@ def client_shares(p: Params, s: Secrets, keys: dict[str, tuple[bytes, bytes]]) -
 
 
 def client_receive(p: Params, s: Secrets, cts: dict[str, bytes]) -> Secrets:
-    """Phase mask, first half: decrypt the shares addressed to this client and check their envelopes."""
-    _, sym, env, asym = _crypto()
-    sk_c = asym.bytes_to_private_key(s.sk_c)
-    held = dict(s.held)
+    """Phase mask, first half: decrypt the shares addressed to this client and check their envelopes. A peer
+    whose ciphertext does not decrypt or whose envelope names the wrong pair is not masked with and is reported
+    (`Secrets.failed`): the server drops it for the round, as a dropout, instead of the round failing."""
+    held, failed = dict(s.held), []
     for src, ct in cts.items():
         if src not in s.peers or src == s.client_id:
             raise PayloadError(f"{s.client_id}: shares from {src!r}, which is not in its group")
-        try:
-            plain = sym.decrypt(sym.generate_shared_key(sk_c, asym.bytes_to_public_key(s.peers[src][0])), ct)
-        except Exception:  # noqa: BLE001 - a wrong key or a forged ciphertext
-            raise PayloadError(f"{s.client_id}: the shares from {src} do not decrypt") from None
-        a, b, b_share, sk_share = env.share_keys_plaintext_separate(plain)
-        if (a, b) != (p.index(src), p.index(s.client_id)):
-            raise PayloadError(f"{s.client_id}: an envelope from {src} names ({a}, {b})")
-        held[src] = (b_share, sk_share)
+        got = _open_share(p, s, src, ct)
+        if got is None:
+            failed.append(src)
+        else:
+            held[src] = got
     if len(held) < p.threshold:
-        raise PayloadError(f"{s.client_id}: shares from {len(held) - 1} neighbours, fewer than threshold - 1 = "
+        raise PayloadError(f"{s.client_id}: valid shares from {len(held) - 1} neighbours, fewer than threshold - 1 = "
                            f"{p.threshold - 1}")
-    return replace(s, held=held)
+    return replace(s, held=held, failed=tuple(failed))
+
+
+def _open_share(p: Params, s: Secrets, src: str, ct: bytes) -> tuple[bytes, bytes] | None:
+    """(b share, sk_s share) from src's ciphertext, or None if it does not decrypt or names another pair."""
+    _, sym, env, asym = _crypto()
+    try:
+        key = sym.generate_shared_key(asym.bytes_to_private_key(s.sk_c), asym.bytes_to_public_key(s.peers[src][0]))
+        a, b, b_share, sk_share = env.share_keys_plaintext_separate(sym.decrypt(key, ct))
+    except Exception:  # noqa: BLE001 - a wrong key, a forged ciphertext, a plaintext that is no envelope
+        return None
+    if (a, b) != (p.index(src), p.index(s.client_id)):
+        return None
+    return b_share, sk_share
+
+
+def fernet_shaped(ct: bytes) -> bool:
+    """Whether ct can be a Fernet token at all (base64url; version 0x80, timestamp, IV, whole AES blocks, HMAC):
+    what the server can check of a ciphertext without its key. Random bytes fail it."""
+    try:
+        raw = base64.urlsafe_b64decode(ct)
+    except Exception:  # noqa: BLE001 - not base64
+        return False
+    if base64.urlsafe_b64encode(raw) != ct:
+        return False
+    return len(raw) >= 73 and raw[0] == 0x80 and (len(raw) - 57) % 16 == 0
 
 
 def client_mask(p: Params, s: Secrets, vector: State) -> tuple[Secrets, State]:
@@ -318,41 +346,146 @@ def _rebuild(shares: list[bytes], t: int, ok) -> bytes | None:
     return None
 
 
+@dataclass(frozen=True)
+class Unmasked:
+    """What the unmask step gives: the sum (None when it cannot be formed, with why), and the clients whose
+    cheating the server has proven from what it holds itself ({client: reason})."""
+
+    total: dict | None
+    why: str | None = None
+    cheats: dict = field(default_factory=dict)
+
+
 def unmask(p: Params, masked: dict[str, State], dropped: list[str], keys: dict[str, tuple[bytes, bytes]],
-           commits: dict[str, str], answers: dict[str, dict[str, tuple[str, bytes]]]) -> dict[str, np.ndarray]:
+           commits: dict[str, str], answers: dict[str, dict[str, tuple[str, bytes]]],
+           omitted: dict[str, set] | None = None) -> dict[str, np.ndarray]:
+    """sum_{active} q(v_i) in Z_2^64 (`unmask_checked`); SecAggError when it cannot be formed."""
+    got = unmask_checked(p, masked, dropped, keys, commits, answers, omitted)
+    if got.total is None:
+        raise SecAggError(got.why)
+    return got.total
+
+
+def unmask_checked(p: Params, masked: dict[str, State], dropped: list[str], keys: dict[str, tuple[bytes, bytes]],
+                   commits: dict[str, str], answers: dict[str, dict[str, tuple[str, bytes]]],
+                   omitted: dict[str, set] | None = None) -> Unmasked:
     """sum_{active} q(v_i) in Z_2^64 from the masked vectors y_i of the active clients, the public keys and
-    commitments of the round, and the unmask answers {replier: {owner: (kind, share)}}. SecAggError when a
-    secret cannot be rebuilt and checked from the answers."""
-    _, sym, _, asym = _crypto()
-    active = sorted(masked)
+    commitments of the round, and the unmask answers {replier: {owner: (kind, share)}}. `omitted`: active
+    client -> the peers it reported and did not mask with. The sum fails (with why) when a secret cannot be
+    rebuilt, or when it lies outside what |active| clipped inputs can add up to (an altered masked vector)."""
+    active, omitted = sorted(masked), omitted or {}
     if len(answers) < p.threshold:
-        raise SecAggError(f"{len(answers)} clients answered the unmask request, fewer than the threshold {p.threshold}")
+        return Unmasked(None, f"{len(answers)} clients answered the unmask request, fewer than the threshold "
+                              f"{p.threshold}")
     total = None
     for cid in active:
         y = from_wire(masked[cid])
         total = y if total is None else add(total, y)
-    shapes = {k: v.shape for k, v in total.items()}
+    shapes, cheats = {k: v.shape for k, v in total.items()}, {}
     for cid in active:
         shares = [a[cid][1] for a in answers.values() if cid in a and a[cid][0] == "b"]
-        seed = _rebuild(shares, p.threshold, lambda b, c=cid: commitment(b) == commits[c])
+        seed, why = _seed_of(p, shares, commits[cid])
         if seed is None:
-            raise SecAggError(f"cannot rebuild {cid}'s self-mask seed from {len(shares)} shares (threshold {p.threshold})")
+            return Unmasked(None, f"cannot rebuild {cid}'s self-mask seed from {len(shares)} shares (threshold "
+                                  f"{p.threshold})", cheats)
+        if why is not None:
+            cheats[cid] = why
         total = add(total, prg(seed, _self_label(p), shapes), -1)
+    claims: dict = {}  # (j, dropped cid) -> the pair mask j says it did not add (it reported cid's shares)
     for cid in dropped:
-        shares = [a[cid][1] for a in answers.values() if cid in a and a[cid][0] == "sk"]
+        near = [j for j in active if j in p.group(cid) and j in keys]
+        if not near:
+            continue
+        masks = _pair_masks(p, cid, near, keys, answers, shapes)
+        if masks is None and all(cid in omitted.get(j, ()) for j in near):
+            continue  # every neighbour reported it (none holds a share of its key): no mask to remove
+        if masks is None:
+            return Unmasked(None, f"cannot rebuild dropped {cid}'s mask key from its shares", cheats)
+        for j, m in masks.items():
+            if cid in omitted.get(j, ()):
+                claims[(j, cid)] = m
+            else:
+                total = add(total, m, -1)
+    total, liars = _settle(p, total, len(active), claims)
+    cheats.update({j: f"it reported {cid}'s shares as failing and masked with them" for j, cid in liars})
+    why = _out_of_range(p, total, len(active))
+    return Unmasked(None if why else total, why, cheats)
 
-        def matches(sk: bytes, c=cid) -> bool:
-            try:
-                return asym.public_key_to_bytes(asym.bytes_to_private_key(sk).public_key()) == keys[c][1]
-            except Exception:  # noqa: BLE001 - not a key at all
-                return False
 
-        sk = _rebuild(shares, p.threshold, matches)
-        if sk is None:
-            raise SecAggError(f"cannot rebuild dropped {cid}'s mask key from {len(shares)} shares")
-        sk_key = asym.bytes_to_private_key(sk)
-        for j in active:
-            if j in p.group(cid) and j in keys:  # j added sign(j, cid) PRG(s_j,cid) for its live neighbour cid
-                key = sym.generate_shared_key(sk_key, asym.bytes_to_public_key(keys[j][1]))
-                total = add(total, prg(key, _pair_label(p, j, cid), shapes), -sign(j, cid))
-    return total
+def _settle(p: Params, total: dict, n: int, claims: dict) -> tuple[dict, list]:
+    """The sum when a reporter masked with the peer it reported after all: the smallest set of claimed pair masks
+    whose removal brings the sum within range (a uniform mask left in it cannot be, but with negligible odds),
+    and those reporters (their claim was false: proof). Up to MAX_CLAIMS claims are tried."""
+    if not claims or _out_of_range(p, total, n) is None or len(claims) > MAX_CLAIMS:
+        return total, []
+    for k in range(1, len(claims) + 1):
+        for sub in itertools.combinations(sorted(claims), k):
+            got = total
+            for c in sub:
+                got = add(got, claims[c], -1)
+            if _out_of_range(p, got, n) is None:
+                return got, list(sub)
+    return total, []
+
+
+def _seed_of(p: Params, shares: list[bytes], commit: str) -> tuple[bytes | None, str | None]:
+    """(b_i, None) when t shares rebuild the committed seed; (the seed, why) when at least t + 1 shares all lie
+    on one polynomial whose secret is not the committed one: the owner dealt shares of another seed or
+    committed to another one (proof that needs no trust in any single replier); (None, None) otherwise."""
+    seed = _rebuild(shares, p.threshold, lambda b: commitment(b) == commit)
+    if seed is not None:
+        return seed, None
+    agreed = _agreed(shares, p.threshold)
+    if agreed is None:
+        return None, None
+    return agreed, f"its {len(shares)} self-mask shares agree on a seed that does not match its commitment"
+
+
+def _agreed(shares: list[bytes], t: int) -> bytes | None:
+    """The secret of the one polynomial that all the shares (at least t + 1, distinct holders) lie on, else None.
+    A share x lies on the polynomial P of shares[:t] iff shares[:t-1] + [x] rebuild P(0)."""
+    shamir, _, _, _ = _crypto()
+    if len(shares) < t + 1 or len({sh[:4] for sh in shares}) != len(shares):
+        return None
+    try:
+        secret = shamir.combine_shares(shares[:t])
+        if all(shamir.combine_shares(shares[: t - 1] + [x]) == secret for x in shares[t:]):
+            return secret
+    except Exception:  # noqa: BLE001 - inconsistent shares fail to unpad
+        return None
+    return None
+
+
+def _pair_masks(p: Params, cid: str, near: list[str], keys: dict, answers: dict, shapes: dict) -> dict | None:
+    """{j: the pair mask sign(j, cid) PRG(s_j,cid) that active neighbour j adds for dropped `cid`}, from cid's
+    sk_s rebuilt from the sk shares and checked against pk_s; None when it cannot be rebuilt."""
+    _, sym, _, asym = _crypto()
+    shares = [a[cid][1] for a in answers.values() if cid in a and a[cid][0] == "sk"]
+
+    def matches(sk: bytes) -> bool:
+        try:
+            return asym.public_key_to_bytes(asym.bytes_to_private_key(sk).public_key()) == keys[cid][1]
+        except Exception:  # noqa: BLE001 - not a key at all
+            return False
+
+    sk = _rebuild(shares, p.threshold, matches)
+    if sk is None:
+        return None
+    sk_key, zero = asym.bytes_to_private_key(sk), {k: np.zeros(v, dtype=np.uint64) for k, v in shapes.items()}
+    out = {}
+    for j in near:
+        key = sym.generate_shared_key(sk_key, asym.bytes_to_public_key(keys[j][1]))
+        out[j] = add(zero, prg(key, _pair_label(p, j, cid), shapes), sign(j, cid))
+    return out
+
+
+def _out_of_range(p: Params, total: dict[str, np.ndarray], n: int) -> str | None:
+    """Why the sum of n clipped inputs (|q(v)| <= clip 2^f each) cannot be `total`, or None: a masked vector
+    altered after masking (scaled, offset) leaves a sum spread over the ring. It does not say whose."""
+    bound = n * (int(p.clip * 2.0**p.frac_bits) + 1)
+    for k, v in total.items():
+        x = v.view(np.int64)
+        if x.size and (int(x.max()) > bound or int(x.min()) < -bound):
+            return (f"the unmasked sum ({k}) is outside what {n} clipped inputs can add up to: a masked vector was "
+                    "altered (which client's cannot be told without range proofs)")
+    return None

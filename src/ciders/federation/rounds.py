@@ -51,6 +51,10 @@ class RunState:
     server: alg.ServerState
     extra: Any  # the task's server-side extras (e.g. the student LoRA and its TAKD optimizer state)
     contacted: frozenset[str]  # clients that have received their first-contact components
+    excluded: tuple = ()  # (client, round, why): clients proven to cheat, never sampled again (secure rounds)
+
+    def excluded_ids(self) -> frozenset[str]:
+        return frozenset(c for c, _, _ in self.excluded)
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,8 @@ class Coordinator:
                                             meta["extra"])
         # a resume that extends federation.rounds: the lr schedule is over the new total (rundir.SCHEDULES)
         server = replace(server, total_rounds=self.cfg.federation.rounds)
-        return RunState(committed, _to_device(server, self.ref), extra, frozenset(meta.get("contacted", [])))
+        return RunState(committed, _to_device(server, self.ref), extra, frozenset(meta.get("contacted", [])),
+                        tuple(tuple(e) for e in meta.get("excluded", [])))
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -240,7 +245,8 @@ class Coordinator:
     def _checkpoint(self, state: RunState, extra_t: dict, extra_m: dict) -> None:
         st, sm = alg.server_record(state.server)
         self.run.save_checkpoint(state.committed, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
-                                 {"server": sm, "extra": extra_m, "contacted": sorted(state.contacted)},
+                                 {"server": sm, "extra": extra_m, "contacted": sorted(state.contacted),
+                                  **({"excluded": [list(e) for e in state.excluded]} if state.excluded else {})},
                                  self.cfg.federation.checkpoint_keep)
 
     def eval_due(self, t: int) -> bool:
@@ -256,11 +262,22 @@ class Coordinator:
         if t != self.state.committed + 1:
             raise CidersError(f"round {t} cannot start: round {self.state.committed} is the last committed one")
         # the takd-only control samples nobody: the round is TAKD on the unchanged messenger, then evaluation
-        pool = self.ids if self.cfg.algorithm.client_learning else []
+        pool = self._pool(t) if self.cfg.algorithm.client_learning else []
         sampled = tuple(sample_clients(pool, self.cfg.federation.per_round, self.cfg.seed, t))
         self.round = InFlight(t, sampled, time.perf_counter(), self.task.downlink_extra(self.state.extra),
                               next=self.state)
         return self.round
+
+    def _pool(self, t: int) -> list[str]:
+        """The clients round t samples from: all but those excluded for cheating (which do not count toward
+        per_round: it takes all that are left when fewer remain); an error when too few are left."""
+        out = self.state.excluded_ids()
+        pool = [c for c in self.ids if c not in out]
+        need = 3 if self.cfg.federation.secure_aggregation else 1
+        if out and len(pool) < need:
+            raise CidersError(f"round {t}: {len(pool)} clients left after excluding {len(out)} proven cheaters "
+                              f"({', '.join(sorted(out))}); a round needs at least {need}")
+        return pool
 
     def phases(self, t: int) -> tuple[str, ...]:
         # in a private mode the personalized messengers stay on the clients (docs/privacy.md); without client
@@ -329,7 +346,8 @@ class Coordinator:
         mark("server")
         with timing.phase("TAKD"):
             extra, tm = self.task.after_server(t, server, rnd.next.extra)
-        self.round = replace(rnd, next=RunState(t, server, extra, frozenset(contacted)), changed=changed,
+        self.round = replace(rnd, next=replace(rnd.next, committed=t, server=server, extra=extra,
+                                               contacted=frozenset(contacted)), changed=changed,
                              records=round_records(rnd, sm, tm, checked))
         mark("takd")
 

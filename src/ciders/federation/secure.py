@@ -93,6 +93,18 @@ class SecureRound:
     u2: tuple = ()
     masked: dict = field(default_factory=dict)  # U3: client -> y_i (int64 tensors)
     failed: str | None = None  # why the sum cannot be formed (the round goes on without an update)
+    complaints: dict = field(default_factory=dict)  # U3: client -> the peers whose shares it could not open
+    cheats: dict = field(default_factory=dict)  # client -> what the server itself saw it do wrong (proof)
+
+
+def live_sets(sr: SecureRound) -> tuple[list[str], list[str], dict[str, set]]:
+    """(active, dropped, omitted): a client named in a complaint is dropped for this round like a dropout (its
+    masked vector left out, its pair masks removed with its rebuilt key), never excluded for it (the server
+    cannot check a complaint); omitted = who each active client did not mask with."""
+    accused = {c for who, cs in sr.complaints.items() if who in sr.masked for c in cs}
+    active = [c for c in sr.params.members if c in sr.masked and c not in accused]
+    dropped = [c for c in sr.u2 if c not in active]
+    return active, dropped, {c: set(sr.complaints.get(c, ())) for c in active}
 
 
 def start(cfg: ExperimentConfig, t: int, sampled: tuple[str, ...], sizes: dict[str, int]) -> SecureRound:
@@ -187,7 +199,7 @@ def shares_messages(sr: SecureRound) -> dict[str, bytes]:
 
 def absorb_shares(sr: SecureRound, replies: list[Reply]) -> tuple[SecureRound, dict]:
     """U2: the members of U1 that sent a ciphertext for exactly the other live members of their group."""
-    t, routed, u2, rejected = sr.params.round, {}, [], {}
+    t, routed, u2, rejected, cheats = sr.params.round, {}, [], {}, dict(sr.cheats)
     for r in replies:
         if not _usable(r, tuple(sr.keys), rejected, "shares") or r.client_id in u2:
             continue
@@ -200,12 +212,15 @@ def absorb_shares(sr: SecureRound, replies: list[Reply]) -> tuple[SecureRound, d
         except PayloadError as exc:
             rejected[r.client_id] = str(exc)
             continue
+        if not all(sa.fernet_shaped(ct) for ct in got.values()):  # the server's own proof: no one can forge it
+            cheats[r.client_id] = rejected[r.client_id] = "shares: a ciphertext that is no Fernet token"
+            continue
         u2.append(r.client_id)
         for dst, ct in got.items():
             routed.setdefault(dst, {})[r.client_id] = ct
     u2 = tuple(c for c in sr.params.members if c in u2)
     routed = {d: {s: ct for s, ct in m.items() if s in u2} for d, m in routed.items() if d in u2}
-    sr = replace(sr, routed=routed, u2=u2)
+    sr = replace(sr, routed=routed, u2=u2, cheats=cheats)
     if sr.failed is None and len(u2) < sr.params.threshold:
         sr = replace(sr, failed=f"{len(u2)} clients sent their shares, fewer than the threshold {sr.params.threshold}")
     return sr, rejected
@@ -233,40 +248,42 @@ def absorb_masked(sr: SecureRound, replies: list[Reply], ref: dict, scaffold: bo
                   ) -> tuple[SecureRound, dict, dict[str, dict], dict[str, int]]:
     """U3: the members of U2 whose masked upload decodes against the int64 reference; their records (checked
     against the private schema) and bytes."""
-    t, masked, recs, rejected, nbytes = sr.params.round, {}, {}, {}, {}
+    t, masked, recs, rejected, nbytes, complaints = sr.params.round, {}, {}, {}, {}, {}
     expect = masked_ref(ref, scaffold)
     for r in replies:
         if not _usable(r, sr.u2, rejected, "masked upload") or r.client_id in masked:
             continue
         try:
-            comps, _ = _reply_meta(r, t, "masked upload", expect)
+            comps, meta = _reply_meta(r, t, "masked upload", expect)
             if "masked" not in comps:
                 raise PayloadError("masked upload: no masked vector")
             rec = records.check(r.record, records.CIDERS_PRIVATE)
+            bad = _ids(meta.get("failed", []), "masked upload: failed", set(sr.routed.get(r.client_id, {})))
         except PayloadError as exc:
             rejected[r.client_id] = str(exc)
             continue
-        masked[r.client_id], recs[r.client_id] = comps["masked"], rec
+        masked[r.client_id], recs[r.client_id], complaints[r.client_id] = comps["masked"], rec, tuple(bad)
         nbytes[r.client_id] = len(r.payload)
-    sr = replace(sr, masked=masked)
-    if sr.failed is None and len(masked) < sr.params.threshold:
-        sr = replace(sr, failed=f"{len(masked)} masked uploads, fewer than the threshold {sr.params.threshold}")
+    sr = replace(sr, masked=masked, complaints=complaints)
+    live = len(live_sets(sr)[0])
+    if sr.failed is None and live < sr.params.threshold:
+        sr = replace(sr, failed=f"{live} masked uploads of clients no peer reported, fewer than the threshold "
+                                f"{sr.params.threshold}")
     return sr, rejected, recs, nbytes
 
 
 def unmask_messages(sr: SecureRound) -> dict[str, bytes]:
-    active = [c for c in sr.params.members if c in sr.masked]
-    dropped = [c for c in sr.u2 if c not in sr.masked]
+    active, dropped, _ = live_sets(sr)
     msg = wire.encode({}, {"round": sr.params.round, "active": active, "dropped": dropped})[0]
     return {c: msg for c in active}
 
 
 def absorb_unmask(sr: SecureRound, replies: list[Reply], ref: dict, scaffold: bool
-                  ) -> tuple[dict | None, dict | None, str | None, dict]:
-    """(sum_{U3} n_i Delta_i, sum_{U3} dc_i or None, why the sum failed or None, rejected)."""
+                  ) -> tuple[dict | None, dict | None, str | None, dict, dict]:
+    """(sum_{active} n_i Delta_i, sum_{active} dc_i or None, why the sum failed or None, rejected, cheats: the
+    clients the server has proven to cheat this round, with why)."""
     t, answers, rejected = sr.params.round, {}, {}
-    active = [c for c in sr.params.members if c in sr.masked]
-    dropped = [c for c in sr.u2 if c not in sr.masked]
+    active, dropped, omitted = live_sets(sr)
     for r in replies:
         if not _usable(r, tuple(active), rejected, "unmask") or r.client_id in answers:
             continue
@@ -280,18 +297,20 @@ def absorb_unmask(sr: SecureRound, replies: list[Reply], ref: dict, scaffold: bo
             continue
         answers[r.client_id] = {**{c: ("b", v) for c, v in b.items()}, **{c: ("sk", v) for c, v in sk.items()}}
     if sr.failed is not None:
-        return None, None, sr.failed, rejected
-    try:
-        total = sa.unmask(sr.params, sr.masked, dropped, sr.keys, sr.commits, answers)
-    except sa.SecAggError as exc:
-        return None, None, str(exc), rejected
+        return None, None, sr.failed, rejected, dict(sr.cheats)
+    got = sa.unmask_checked(sr.params, {c: sr.masked[c] for c in active}, dropped, sr.keys, sr.commits, answers,
+                            omitted)
+    cheats = {**sr.cheats, **got.cheats}
+    if got.total is None:
+        return None, None, got.why, rejected, cheats
+    total = got.total
     like = {k: torch.empty(v.shape, dtype=torch.float64) for k, v in ref.items()}
     got = sa.dequantize(total, sr.params.frac_bits, {f"{p}/{k}": v for p in ("delta", "dc") for k, v in like.items()
                                                      if p == "delta" or scaffold})
     dev, dts = next(iter(ref.values())).device, {k: v.dtype for k, v in ref.items()}
     delta = {k: got[f"delta/{k}"].to(dts[k]).to(dev) for k in ref}
     dc = {k: got[f"dc/{k}"].to(dts[k]).to(dev) for k in ref} if scaffold else None
-    return delta, dc, None, rejected
+    return delta, dc, None, rejected, cheats
 
 
 # ---------------------------------------------------------------------------------------------- client side
@@ -364,6 +383,34 @@ def _reply(cid: str, t: int, comps: dict, **meta) -> bytes:
     return wire.encode(comps, {"client_id": cid, "round": t, **meta})[0]
 
 
+def _train_phase(cfg: ExperimentConfig, sessions: Sessions, p: sa.Params, s: sa.Secrets, comps: dict, meta: dict,
+                 inner: bytes, train, weight: int | None) -> tuple[bytes, dict]:
+    """The secure train phase on the client: check n_i and the envelope, open the shares (reporting the peers whose
+    shares fail), train, mask."""
+    cid, t = s.client_id, p.round
+    f = wire.fields(meta, {"weight": "int", "broadcast_bytes": "int"}, "secure train")
+    if weight is None or f["weight"] != weight:
+        raise PayloadError(f"{cid}: the server asks for weight {f['weight']}, its own rule gives {weight} "
+                           "(algorithm.weighting: 1, or its own data size); refusing to mask")
+    sessions.check_fresh(cid, t)
+    if f["broadcast_bytes"] != len(inner):
+        raise PayloadError(f"{cid}: the secure train message announces a broadcast of {f['broadcast_bytes']} "
+                           f"bytes and carries {len(inner)}")
+    if set(comps) - {"shares"}:
+        raise PayloadError(f"{cid}: unexpected components {sorted(set(comps) - {'shares'})} in a secure train message")
+    cts = blobs(comps.get("shares"), lambda k: k in s.peers, sa.MAX_CIPHERTEXT, "shares")
+    s = sa.client_receive(p, s, cts)
+    up, rec = train(inner)
+    vec = {f"delta/{k}": v * weight for k, v in up.delta.items()}
+    if cfg.algorithm.consensus_update == "scaffold":
+        vec.update({f"dc/{k}": v for k, v in up.dc.items()})
+    s, y = sa.client_mask(p, s, vec)
+    sessions.save(s)
+    sessions.mark_masked(cid, t)  # before y_i leaves
+    failed = {"failed": list(s.failed)} if s.failed else {}  # the peers it reports (none: no field)
+    return _reply(cid, t, {"masked": y}, **failed), records.private(rec)
+
+
 def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str, msg: bytes,
                  train: Callable[[bytes], tuple[alg.Upload, dict]] | None = None, weight: int | None = None
                  ) -> tuple[bytes, dict]:
@@ -396,26 +443,7 @@ def client_phase(phase: str, cfg: ExperimentConfig, sessions: Sessions, cid: str
         sessions.save(s)
         return _reply(cid, t, {"shares": {d: _u8(ct) for d, ct in cts.items()}}), {}
     if phase == "train":
-        f = wire.fields(meta, {"weight": "int", "broadcast_bytes": "int"}, "secure train")
-        if weight is None or f["weight"] != weight:
-            raise PayloadError(f"{cid}: the server asks for weight {f['weight']}, its own rule gives {weight} "
-                               "(algorithm.weighting: 1, or its own data size); refusing to mask")
-        sessions.check_fresh(cid, t)
-        if f["broadcast_bytes"] != len(inner):
-            raise PayloadError(f"{cid}: the secure train message announces a broadcast of {f['broadcast_bytes']} "
-                               f"bytes and carries {len(inner)}")
-        if set(comps) - {"shares"}:
-            raise PayloadError(f"{cid}: unexpected components {sorted(set(comps) - {'shares'})} in a secure train message")
-        cts = blobs(comps.get("shares"), lambda k: k in s.peers, sa.MAX_CIPHERTEXT, "shares")
-        s = sa.client_receive(p, s, cts)
-        up, rec = train(inner)
-        vec = {f"delta/{k}": v * weight for k, v in up.delta.items()}
-        if cfg.algorithm.consensus_update == "scaffold":
-            vec.update({f"dc/{k}": v for k, v in up.dc.items()})
-        s, y = sa.client_mask(p, s, vec)
-        sessions.save(s)
-        sessions.mark_masked(cid, t)  # before y_i leaves
-        return _reply(cid, t, {"masked": y}), records.private(rec)
+        return _train_phase(cfg, sessions, p, s, comps, meta, inner, train, weight)
     if phase == "secagg_unmask":
         active = _ids(meta.get("active"), "active", set(p.members))
         dropped = _ids(meta.get("dropped"), "dropped", set(p.members))

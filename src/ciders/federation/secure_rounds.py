@@ -97,9 +97,9 @@ class SecureCoordinator(Coordinator):
         if phase != "secagg_unmask":
             raise ValueError(f"secure CIDERS has no phase {phase!r}")
         with timing.phase("aggregation"):
-            delta_sum, dc_sum, why, rej = secure.absorb_unmask(sr, replies, self.ref, scaffold)
+            delta_sum, dc_sum, why, rej, cheats = secure.absorb_unmask(sr, replies, self.ref, scaffold)
         self._note(t, phase, rej)
-        included = [c for c in sr.params.members if c in sr.masked]
+        included = secure.live_sets(sr)[0]
         copies = {c: load_version(self.server_store, c) for c in included}
         with timing.phase("aggregation"):
             server, new_copies, sm = alg.secure_server_update(
@@ -110,6 +110,7 @@ class SecureCoordinator(Coordinator):
                 self.server_store.put(cid, t, *alg.copy_record(cp))
         rejected = {**rnd.secure_rejected, **rej, **sm["rejected"]}
         sm["rejected"] = rejected
+        self._exclude(t, cheats, sm, sorted(set(sr.masked) - set(included)))
         if why is not None:
             self.log(f"round {t}: no secure sum ({why}); the state stays as it was")
         recs = rnd.secure_records
@@ -123,6 +124,22 @@ class SecureCoordinator(Coordinator):
                           tuple(included))
         self._after_server(t, server, sm, checked, contacted, tuple(c for c in included if new_copies[c] is not copies[c]),
                            mark)
+
+    def _exclude(self, t: int, cheats: dict, sm: dict, accused: list[str]) -> None:
+        """Records the clients the server proved to cheat in round t in the state the round commits (they are
+        never sampled again) and in the server record (`excluded`, with why), and logs them and the clients a
+        peer's complaint dropped for this round only (`accused`)."""
+        nxt = self.round.next
+        new = {c: why for c, why in sorted(cheats.items()) if c not in nxt.excluded_ids()}
+        for c, why in new.items():
+            self.log(f"round {t}: excluded {c} from later rounds: {why}")
+        if new:
+            sm["excluded"] = new
+        if accused:
+            sm["dropped_on_complaint"] = accused
+            self.log(f"round {t}: dropped for this round (a peer could not open its shares): {', '.join(accused)}")
+        excluded = nxt.excluded + tuple((c, t, why) for c, why in new.items())
+        self.round = replace(self.round, next=replace(nxt, excluded=excluded))
 
     def _note(self, t: int, phase: str, rejected: dict) -> None:
         for who, why in rejected.items():
