@@ -1,11 +1,17 @@
 """Fast checks (default suite, no Flower processes) that our Flower deployment keeps the Control API off
 the network the SuperNodes use: the generated commands and configs, the documented commands, the
-address checks, and the Fleet gateway's route filter attacked with raw HTTP."""
+address checks, and the Fleet gateway's route filter and its bounds (body size, connections, time) attacked
+with raw HTTP."""
 
+import contextlib
 import http.client
+import random
 import re
+import select
 import shlex
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -122,16 +128,25 @@ class Upstream(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def gateway():
+@contextlib.contextmanager
+def running(**limits):
+    """A gateway (with `limits`: max_body, max_connections, request_s) in front of a stand-in SuperLink."""
     up = ThreadingHTTPServer(("127.0.0.1", 0), type("Up", (Upstream,), {"seen": []}))
-    gate = gw.serve(("127.0.0.1", 0), f"http://127.0.0.1:{up.server_port}", None, False)
+    gate = gw.serve(("127.0.0.1", 0), f"http://127.0.0.1:{up.server_port}", None, False, **limits)
     for s in (up, gate):
         threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True).start()
-    yield gate.server_port, up
-    for s in (up, gate):
-        s.shutdown()
-        s.server_close()
+    try:
+        yield gate, up
+    finally:
+        for s in (up, gate):
+            s.shutdown()
+            s.server_close()
+
+
+@pytest.fixture
+def gateway():
+    with running() as (gate, up):
+        yield gate.server_port, up
 
 
 def send(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None):
@@ -183,3 +198,170 @@ def test_gateway_answers_502_while_the_superlink_is_down():
     finally:
         gate.shutdown()
         gate.server_close()
+
+
+# ------------------------------------------------------------------------------------------ the gateway's bounds
+
+
+def head(length: int, path: str = "/v1/fleet/push-object") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode()
+
+
+def connect(port: int, data: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(data)
+    return s
+
+
+def until_closed(s: socket.socket) -> bytes:
+    """Everything the gateway sends until it closes the connection."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:  # the gateway runs in this process
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_gateway_refuses_a_huge_announced_body_before_reading_it(gateway):
+    """2 GiB announced, 10 bytes sent: 413 at once, not a thread waiting for the other 2 GiB."""
+    port, up = gateway
+    t0 = time.monotonic()
+    with connect(port, head(2**31) + b"x" * 10) as s:
+        reply = until_closed(s)
+    assert reply.startswith(b"HTTP/1.1 413") and f"at most {gw.MAX_BODY}".encode() in reply, reply
+    assert time.monotonic() - t0 < 5 and up.RequestHandlerClass.seen == []
+
+
+def test_gateway_does_not_buffer_a_streamed_body_over_the_bound(gateway):
+    """2 GiB announced and 128 MiB actually streamed (the attack that cost +128 MiB of RSS): the gateway answers
+    413 after the headers and closes, so the sender is cut off after what the kernel buffers hold, and the
+    gateway's process does not grow."""
+    port, up = gateway
+    before, sent, piece = rss(), 0, b"\0" * 2**16
+    s = connect(port, head(2**31))
+    with s, contextlib.suppress(ConnectionError):  # cut off: EPIPE / ECONNRESET (a timeout fails the test)
+        while sent < 128 * 2**20:
+            s.sendall(piece)
+            sent += len(piece)
+    assert sent < 32 * 2**20, f"the gateway took {sent} bytes of an over-sized body"
+    assert rss() - before < 32 * 2**20 and up.RequestHandlerClass.seen == []
+
+
+@pytest.mark.parametrize("length,status", [(2**20, 200), (2**20 + 1, 413)])
+def test_gateway_body_bound_is_an_option_and_inclusive(length, status):
+    with running(max_body=2**20) as (gate, up):
+        with connect(gate.server_port, head(length)) as s:  # the headers only: a refusal needs no body byte
+            if status == 200:
+                s.sendall(b"x" * length)
+                assert s.recv(12) == b"HTTP/1.1 200"
+            else:
+                assert until_closed(s).startswith(b"HTTP/1.1 413")
+        assert len(up.RequestHandlerClass.seen) == (status == 200)
+
+
+@pytest.mark.parametrize("lengths", [["-1"], ["abc"], ["1e3"], ["5", "6"], ["99999999999999999999"]])
+def test_gateway_refuses_a_content_length_that_is_not_one_decimal_number(gateway, lengths):
+    port, up = gateway
+    head_ = b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\n"
+    head_ += b"".join(f"Content-Length: {n}\r\n".encode() for n in lengths) + b"\r\nxxxxxx"
+    with connect(port, head_) as s:
+        assert until_closed(s).startswith(b"HTTP/1.1 400")
+    assert up.RequestHandlerClass.seen == []
+
+
+def test_gateway_refuses_an_over_sized_body_before_100_continue(gateway):
+    port, up = gateway
+    with connect(port, head(2**31).replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")) as s:
+        assert until_closed(s).startswith(b"HTTP/1.1 413")  # no "100 Continue" first
+
+
+def test_gateway_serves_at_most_max_connections_at_once():
+    """Over the cap a connection is closed unanswered; the ones held are served, and once they close an honest
+    request goes through again."""
+    with running(max_connections=3) as (gate, up):
+        port = gate.server_port
+        held = [connect(port) for _ in range(3)]  # accepted in order: these take the 3 slots
+        with connect(port) as extra:
+            t0 = time.monotonic()
+            assert until_closed(extra) == b"" and time.monotonic() - t0 < 5
+        held[0].sendall(head(2) + b"hi")
+        assert held[0].recv(12) == b"HTTP/1.1 200"
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 5
+        while True:  # the slots come back as the handlers see their connections close
+            try:
+                assert send(port, "POST", "/v1/fleet/pull-messages", b"x") == (200, b"reply:x")
+                break
+            except (ConnectionError, http.client.HTTPException):
+                assert time.monotonic() < deadline, "the slots were not given back"
+                time.sleep(0.1)
+
+
+def seconds_until_dropped(s: socket.socket, drip: bytes = b"", every: float = 0.1, limit: float = 6.0) -> float:
+    """Send `drip` one byte every `every` s (nothing if empty) until the gateway closes the connection."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if select.select([s], [], [], every)[0]:
+            assert until_closed(s) == b"", "the gateway answered a request that never arrived whole"
+            return time.monotonic() - t0
+        if drip:
+            s.sendall(drip[:1])
+            drip = drip[1:]
+    raise AssertionError(f"connection still open after {limit} s")
+
+
+@pytest.mark.parametrize("kind", ["stalled body", "stalled headers", "idle", "dripping headers"])
+def test_gateway_drops_a_stalled_or_dripping_connection(kind):
+    """With --request-timeout 1: a peer that sends part of a request and stops, opens and says nothing, or sends
+    its headers one byte per 0.1 s (each read well within the socket timeout) loses the connection after about
+    1 s; an honest request is served meanwhile."""
+    with running(request_s=1.0) as (gate, up):
+        port = gate.server_port
+        first = {"stalled body": head(100) + b"x" * 10, "stalled headers": head(100)[:20]}.get(kind, b"")
+        with connect(port, first) as s:
+            assert send(port, "POST", "/v1/fleet/pull-messages", b"x") == (200, b"reply:x")
+            took = seconds_until_dropped(s, head(100) if kind == "dripping headers" else b"")
+        assert 0.5 < took < 3, took
+        assert [p for _, p, _, _ in up.RequestHandlerClass.seen] == ["/v1/fleet/pull-messages"]
+
+
+def test_gateway_body_bound_covers_the_largest_request_a_supernode_sends():
+    """What a SuperNode sends for a reply carrying a 2- or 4-chunk payload and a record of the largest size the server
+    accepts, built with Flower's own serializers: every push-object body (one object each) and the push-messages
+    body stay under a third of MAX_BODY, and the largest is one full ArrayChunk whatever the payload's size."""
+    from flwr.app import Metadata
+    from flwr.app.message import make_message, remove_content_from_message
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE as CHUNK
+    from flwr.common.serde import message_to_proto
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+    from ciders.federation.records import MAX_RECORD
+    from ciders.transports.flower import messages as fm
+
+    big, node = 2**63 - 1, Node(node_id=2**63 - 1)
+
+    def bodies(payload: bytes) -> tuple[int, int]:
+        md = Metadata(run_id=big, message_id="f" * 64, src_node_id=big, dst_node_id=1, reply_to_message_id="e" * 64,
+                      group_id="round 150", created_at=1.7e9, ttl=43200.0, message_type="train")
+        msg = make_message(md, fm.pack({"client_id": "client4", "record": "x" * MAX_RECORD}, payload))
+        objects = [len(PushObjectRequest(node=node, run_id=big, object_id=i, object_content=o.deflate())
+                       .SerializeToString()) for i, o in get_all_nested_objects(msg).items()]
+        tree = PushMessagesRequest(node=node, messages_list=[message_to_proto(remove_content_from_message(msg))],
+                                   message_object_trees=[get_object_tree(msg)], clientapp_runtime_list=[1.0])
+        return max(objects), len(tree.SerializeToString())
+
+    rng = random.Random(0)  # no two chunks alike (Flower sends a repeated chunk once)
+    two, tree2 = bodies(rng.randbytes(CHUNK + 1000))  # 2 chunks
+    four, tree4 = bodies(rng.randbytes(3 * CHUNK + 1000))  # 4 chunks
+    assert CHUNK <= four == two < CHUNK + 1024 and 3 * four <= gw.MAX_BODY
+    per_chunk = (tree4 - tree2) / 2  # the tree grows this much per chunk: a 4 GiB payload's still fits
+    assert tree4 < gw.MAX_BODY / 3 and tree2 + per_chunk * (4 * 2**30 / CHUNK) < gw.MAX_BODY / 3
