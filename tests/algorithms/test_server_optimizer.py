@@ -63,7 +63,8 @@ def test_none_is_eq12_bit_for_bit_and_writes_the_same_record():
         assert equal(server.messenger, w_eq12) and server.opt is None
     assert equal(server.messenger, drive(c, 4)[0].messenger)
     tensors, meta = alg.server_record(server)
-    assert set(meta) == {"round", "total_rounds"} and all(k.startswith(("messenger/", "c/")) for k in tensors)
+    assert set(meta) == {"round", "total_rounds", "ref_norm"}  # ref_norm: ||w_0||, the step bound's reference
+    assert all(k.startswith(("messenger/", "c/")) for k in tensors)
 
 
 @pytest.mark.parametrize("knobs", [{}, FEDAVG, dict(optimizer="adamw", schedule="warmup_cosine", warmup_steps=2)])

@@ -25,7 +25,8 @@ server's copy. Both copies stay bit-identical (docs/method.md#consensus-copies-u
 
 The server weighs client i by the size of its data as the server registered it (p_i, Eq. 12), never by
 anything the upload claims, and rejects an upload whose implied step is not finite or too large
-(`core.aggregate.step_check`) or whose round's aggregate is not finite (docs/security.md#aggregation).
+(`core.aggregate.step_check`, relative to ||w_0||, the messenger's norm at the run's start, which the server
+state carries: `ServerState.ref_norm`) or whose round's aggregate is not finite (docs/security.md#aggregation).
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class ServerState:
     messenger: State
     c: State
     opt: so.ServerOptState | None = None  # server optimizer moments (algorithm.server_optimizer); None: no step yet
+    ref_norm: float | None = None  # ||w_0||: what max_step_ratio bounds each step against, fixed at the run's
+    #                                start so no client can inflate it (None: the messenger's norm when first used)
 
 
 def init_client(client_id: str, messenger: State) -> ClientState:
@@ -133,7 +136,13 @@ def init_client(client_id: str, messenger: State) -> ClientState:
 
 
 def init_server(messenger: State, total_rounds: int) -> ServerState:
-    return ServerState(0, total_rounds, clone(messenger), zeros_like(messenger))
+    return ServerState(0, total_rounds, clone(messenger), zeros_like(messenger), ref_norm=norm(messenger))
+
+
+def with_ref(state: ServerState) -> ServerState:
+    """The state with its step-bound reference fixed: as it is, or (a state built without one) its messenger's
+    norm now, kept from then on."""
+    return state if state.ref_norm is not None else replace(state, ref_norm=norm(state.messenger))
 
 
 def init_copy(messenger: State) -> ServerCopy:
@@ -349,6 +358,8 @@ def _local_step(cfg: CidersConfig, x: State, w: State, g: State, corr: State, lr
 
 # ------------------------------------------------------------------------------------------ server
 
+REF = "||w_0||"  # how a rejection names the bound's reference (the messenger's norm at the run's start)
+
 
 def check_upload(up: Upload, state: ServerState, copy: ServerCopy) -> str | None:
     """Why the server must not apply this upload, or None. Shapes/finiteness are the wire layer's job
@@ -385,7 +396,9 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     state advances only in a round whose aggregate is applied. algorithm.aggregator median / trimmed_mean puts
     that unweighted robust centre of the Delta_i in place of sum_i p_i Delta_i, for the messenger and for c
     (`_aggregate`); Eq. 11 and the copies of c_i do not change. Central DP (`priv.central_sigma`) adds
-    N(0, (sigma / m)^2) to the mean of the m accepted updates (`central_noise`)."""
+    N(0, (sigma / m)^2) to the mean of the m accepted updates (`central_noise`). The step bound is
+    max_step_ratio x max(||w_0||, 1), with ||w_0|| = state.ref_norm (`with_ref`), never the current ||w||."""
+    state = with_ref(state)
     lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
     eta_bar = sum(lrs) / cfg.local_steps
     new_copies = dict(copies)
@@ -398,7 +411,7 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
         if why is None:
             delta = cs.reconstruct(up.dc, cp.c_i, state.c, cfg.alpha, gamma)  # Eq. 11
             why = clip_check(delta, priv) or agg.step_check(
-                {k: v * (cfg.local_steps * eta_bar) for k, v in delta.items()}, state.messenger, max_step_ratio)
+                {k: v * (cfg.local_steps * eta_bar) for k, v in delta.items()}, state.ref_norm, max_step_ratio, REF)
         if why is not None:
             rejected[up.client_id] = why
             if cp is not None and up.resync_request and up.round == state.round:
@@ -427,7 +440,7 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
         return replace(state, round=state.round + 1), {**new_copies, **kept}, {**metrics, "delta_bar_norm": 0.0,
                                                                                "c_norm": norm(state.c)}
     metrics.update({"p": dict(zip(ids, p)), "delta_bar_norm": norm(delta_bar), "c_norm": norm(c)})
-    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt), new_copies, metrics
+    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt, state.ref_norm), new_copies, metrics
 
 
 def _aggregate(cfg: CidersConfig, deltas: Sequence[State], p: Sequence[float]) -> State:
@@ -492,7 +505,9 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
     the implied step K eta_bar Delta-bar must pass `core.aggregate.step_check` (a convex combination of steps
     that all pass does) and be finite, else the round is rejected and the state stays. `copies` holds each
     client's version only (no c_i); an included client's version moves and names the round (`SECAGG_ACK`).
-    `why_not`: the sum could not be formed (too few clients, a secret not rebuilt): no update."""
+    `why_not`: the sum could not be formed (too few clients, a secret not rebuilt): no update. The bound is
+    relative to ||w_0|| (state.ref_norm), as in `server_update`."""
+    state = with_ref(state)
     lrs, _, gamma = round_schedule(cfg, state.round, state.total_rounds)
     eta_bar = sum(lrs) / cfg.local_steps
     metrics = {"round": state.round, "gamma": gamma, "secure": True}
@@ -504,8 +519,8 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
         why_not = clip_check(mean, priv, "the unmasked mean of the updates")
     if why_not is None:
         delta_bar = central_noise(mean, priv, len(included))
-        why_not = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta_bar.items()}, state.messenger,
-                                 max_step_ratio)
+        why_not = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta_bar.items()}, state.ref_norm,
+                                 max_step_ratio, REF)
     if why_not is None:
         messenger, c, opt = _apply(cfg, state, delta_bar, eta_bar, [] if dc_sum is None else [dc_sum], n_registered)
         opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
@@ -520,7 +535,7 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
         new_copies[cid] = ServerCopy(cp.c_i, cp.version + 1, needs_resync=False, applied=(state.round, SECAGG_ACK))
     metrics.update({"accepted": sorted(included), "rejected": {}, "delta_bar_norm": norm(delta_bar),
                     "c_norm": norm(c)})
-    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt), new_copies, metrics
+    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt, state.ref_norm), new_copies, metrics
 
 
 def _server_step(cfg: CidersConfig, state: ServerState, delta_bar: State, eta_bar: float
@@ -585,16 +600,23 @@ def copy_from_record(t: dict, meta: dict) -> ServerCopy:
 
 def server_record(s: ServerState) -> tuple[dict, dict]:
     """Tensors messenger/<k>, c/<k> and, once a server optimizer has stepped, server_opt_m/<k> (and server_opt_v/<k>);
-    meta round, total_rounds and then server_opt ({name, step}). Without one the record is what it always was."""
+    meta round, total_rounds, ref_norm (||w_0||, the step bound's reference; a float, exact through JSON) and then
+    server_opt ({name, step})."""
+    s = with_ref(s)
     ot, om = s.opt.to_record() if s.opt is not None else ({}, {})
     return ({**_pre(s.messenger, "messenger"), **_pre(s.c, "c"), **ot},
-            {"round": s.round, "total_rounds": s.total_rounds, **om})
+            {"round": s.round, "total_rounds": s.total_rounds, "ref_norm": s.ref_norm, **om})
 
 
 def server_from_record(t: dict, meta: dict) -> ServerState:
-    # meta "server_opt" is absent in checkpoints written before server optimizers: no state, as with none
-    return ServerState(meta["round"], meta["total_rounds"], _un(t, "messenger"), _un(t, "c"),
-                       so.ServerOptState.from_record(t, meta))
+    """The inverse of `server_record`. Meta "server_opt" is absent in checkpoints written before server optimizers:
+    no state, as with none. "ref_norm" is absent in checkpoints written before the step bound had a fixed
+    reference: it becomes the norm of the messenger the checkpoint holds (the bound of the round resumed, as the
+    old rule had it), fixed from then on."""
+    messenger = _un(t, "messenger")
+    ref = meta.get("ref_norm")
+    return ServerState(meta["round"], meta["total_rounds"], messenger, _un(t, "c"),
+                       so.ServerOptState.from_record(t, meta), norm(messenger) if ref is None else float(ref))
 
 
 def server_to(s: ServerState, device: torch.device | str) -> ServerState:

@@ -441,7 +441,8 @@ class FederationConfig:
         "benchmarks/edge_download.py; docs/edge.md#the-first-download-in-bfloat16)")
     max_step_ratio: float | None = opt(
         10.0, "reject an upload whose implied local step ||w - x_K|| (Eq. 11 x K eta_bar) exceeds this multiple "
-        "of max(||w||, 1) (docs/security.md#aggregation); null = accept any finite step")
+        "of max(||w_0||, 1), ||w_0|| the messenger's norm at the run's start (docs/security.md#aggregation); "
+        "null = accept any finite step")
     secure_aggregation: bool = opt(
         False, "the server learns only the sum of the round's updates, never one client's (SecAgg+ with Flower's "
         "key agreement, Shamir sharing and encryption; docs/privacy.md#secure-aggregation)")

@@ -25,7 +25,9 @@ clients' values of coordinate k sorted,
 b < n/2 for every beta < 0.5, so at least one value is always kept; beta = 0 is the plain unweighted mean.
 
 Robustness (docs/security.md#aggregation): `step_check` bounds what one client may move the state by in one
-round, ||step_i|| <= ratio * max(||state||, 1), and `all_finite` is checked on an aggregate before it is
+round, ||step_i|| <= ratio * max(r, 1), with r the norm of a reference no client can inflate (CIDERS: ||w_0||,
+the global messenger's norm at the run's start; a bound on the current ||state|| compounds, since each
+accepted push raises the next round's bound), and `all_finite` is checked on an aggregate before it is
 committed (finite but huge values can still sum to Inf).
 
 With every mask full, C^k = |S| and masked_mean is the uniform weighted mean. The sums run over the
@@ -201,18 +203,21 @@ def masked_step(state: State, values: Sequence[State], masks: Sequence[State], l
     return {k: state[k] - lr * mean[k] for k in state}, covering(count)
 
 
-def step_check(step: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], ratio: float | None) -> str | None:
-    """Why a client's implied step on `state` is too large to accept, or None: its norm (in float64, so a
-    float32 3e38 does not overflow) must be finite and at most ratio * max(||state||, 1). The floor of 1
-    keeps a zero-initialised state trainable. ratio None accepts any finite step."""
+def step_check(step: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor] | float, ratio: float | None,
+               ref_name: str = "||state||") -> str | None:
+    """Why a client's implied step is too large to accept, or None: its norm (in float64, so a float32 3e38
+    does not overflow) must be finite and at most ratio * max(r, 1). r is `ref` itself when it is a number (a
+    reference norm fixed before any client spoke: CIDERS passes ||w_0||, docs/security.md#aggregation), else
+    the norm of the state `ref` (the state the step applies to: a bound that grows with every push it lets
+    through). The floor of 1 keeps a zero-initialised state trainable. ratio None accepts any finite step."""
     n = norm(step)
     if n != n or n == float("inf"):
         return "its update is not finite (the norm overflows)"
     if ratio is None:
         return None
-    bound = ratio * max(norm(state), 1.0)
+    bound = ratio * max(float(ref) if isinstance(ref, (int, float)) else norm(ref), 1.0)
     if n > bound:
-        return f"its update norm {n:.4g} exceeds max_step_ratio {ratio:g} x max(||state||, 1) = {bound:.4g}"
+        return f"its update norm {n:.4g} exceeds max_step_ratio {ratio:g} x max({ref_name}, 1) = {bound:.4g}"
     return None
 
 
