@@ -218,3 +218,19 @@ def test_too_few_clients_left_after_exclusions_is_a_clear_error(tmp_path, monkey
     with pytest.raises(CidersError, match="2 clients left after excluding 1 proven cheaters"):
         run(tmp_path / "s", *SECURE, *ROUNDS, "federation.clients=3", "federation.per_round=3",
             n=3, task=VectorTask(3))
+
+
+def test_an_exclusion_survives_a_resume(tmp_path, monkeypatch, cheater):
+    """The exclusion is server state: a run stopped after the round that proved it, then resumed with more
+    rounds, still never samples the cheater (the checkpoint carries it; RunState.excluded)."""
+    _cheat(monkeypatch, cheater, "secagg_shares",
+           lambda r: _recode(r, lambda c: {"shares": {d: secure._u8(os.urandom(len(v))) for d, v in c["shares"].items()}}))
+    out = tmp_path / "s"
+    run(out, *SECURE, *ROUNDS, "federation.rounds=1")
+    monkeypatch.undo()  # the cheater would behave now: it must not matter
+    cfg = load_config(None, BASE + SECURE + ROUNDS + ["federation.rounds=3"])
+    run_federation(cfg, VectorTask(6), out, resume=True, progress=False, log=lambda s: None)
+    clients = _clients(out)
+    assert sorted(clients) == [0, 1, 2] and all(cheater not in clients[t] and len(clients[t]) == 5 for t in (1, 2))
+    _, meta = RunDir(out).load_checkpoint(2)
+    assert [e[0] for e in meta["excluded"]] == [cheater]
