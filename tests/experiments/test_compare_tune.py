@@ -56,3 +56,20 @@ def test_validation_parts_are_cut_between_held_out_and_training_data():
     assert [len(cut[k]["client0"]) for k in (1, 4, 0)] == [4, 5, 11]
     assert cut[0]["client0"] == plain[0]["client0"][5:]  # validation comes out of the training data only
     assert cut[2]["client0"]["validation"] == 5
+
+
+def test_a_winner_at_the_edge_of_the_grid_is_flagged():
+    from ciders.experiments.compare_tune import at_edge, markdown
+
+    grid = [("algorithm.lr", ["3e-4", "1e-3", "3e-3"])]
+    assert at_edge(["algorithm.lr=3e-3"], grid) == ["algorithm.lr=3e-3"]
+    assert at_edge(["algorithm.lr=3e-4"], grid) == ["algorithm.lr=3e-4"]
+    assert at_edge(["algorithm.lr=1e-3"], grid) == []
+    assert at_edge(["algorithm.lr=1e-3"], [("algorithm.lr", ["1e-3", "3e-3"])]) == []  # 2 points bracket nothing
+    two = [("algorithm.lr", ["1e-4", "1e-3", "1e-2"]), ("algorithm.gamma", ["0", "0.5", "1"])]
+    assert at_edge(["algorithm.lr=1e-3", "algorithm.gamma=1"], two) == ["algorithm.gamma=1"]
+    scores = [{"point": f"algorithm.lr={v}", "nll": x} for v, x in zip(grid[0][1], (4.9, 4.6, 4.3))]
+    md = markdown({"fedavg": {"winner": ["algorithm.lr=3e-3"], "scores": scores, "edge": ["algorithm.lr=3e-3"]},
+                   "ciders-fo": {"winner": ["algorithm.lr=1e-3"], "scores": scores, "edge": []}}, grid, 6, 0)
+    assert "algorithm.lr=3e-3 (grid edge)" in md and "**Not bracketed:** fedavg chose" in md
+    assert "ciders-fo chose" not in md

@@ -73,8 +73,19 @@ def tune(cfg: ExperimentConfig, methods: list[str], grid: list[tuple[str, list[s
                               progress=progress, control=None)
             scores.append({"point": name, TUNE_METRIC: res["per_seed"][m][c.seed][TUNE_METRIC]})
         best = min(range(len(scores)), key=lambda j: (scores[j][TUNE_METRIC], j))  # ties: the first in grid order
-        result[m] = {"winner": scores[best]["point"].split(","), "scores": scores}
+        winner = scores[best]["point"].split(",")
+        result[m] = {"winner": winner, "scores": scores, "edge": at_edge(winner, grid)}
+        if result[m]["edge"]:
+            log(f"warning: {m}'s best setting is at the edge of the grid ({', '.join(result[m]['edge'])}); its "
+                "optimum may lie outside it: widen the grid there")
     return result
+
+
+def at_edge(winner: list[str], grid: list[tuple[str, list[str]]]) -> list[str]:
+    """The KEY=VALUE settings of `winner` that are the first or last value of their key's grid (of 3 or more
+    values): a winner there has not been bracketed, so the tuning cannot say the method got its best rate."""
+    chosen = dict(w.split("=", 1) for w in winner)
+    return [f"{k}={chosen[k]}" for k, vals in grid if len(vals) >= 3 and chosen.get(k) in (vals[0], vals[-1])]
 
 
 def markdown(tuned: dict, grid: list[tuple[str, list[str]]], rounds: int, seed: int) -> str:
@@ -86,7 +97,13 @@ def markdown(tuned: dict, grid: list[tuple[str, list[str]]], rounds: int, seed: 
     for m, r in tuned.items():
         cells = [f"**{s[TUNE_METRIC]:.4f}**" if s["point"] == ",".join(r["winner"]) else f"{s[TUNE_METRIC]:.4f}"
                  for s in r["scores"]]
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {', '.join(r['winner'])} |")
+        edge = " (grid edge)" if r.get("edge") else ""
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {', '.join(r['winner'])}{edge} |")
+    edged = [m for m, r in tuned.items() if r.get("edge")]
+    if edged:
+        lines += ["", f"**Not bracketed:** {', '.join(edged)} chose a setting at the edge of the grid, so a "
+                      "better one may lie beyond it; widen the grid there before reading their comparison as "
+                      "tuned."]
     return "\n".join(lines) + "\n"
 
 
