@@ -96,6 +96,102 @@ def test_deploy_documented_commands_keep_control_off_the_fleet_address(tmp_path,
         assert int(a.superlink.rpartition(":")[2]) not in {int(c.rpartition(":")[2]) for c in controls}, argv
 
 
+def gateway_limits(cmd: list[str]) -> tuple[int, int, float]:
+    """The limits a generated gateway command gives, as the gateway's own `main` parses them into `serve`."""
+    got = {}
+
+    def serve(listen, upstream, server_ctx, verify, *limits):
+        got["limits"] = limits
+        raise KeyboardInterrupt  # stop main before it listens
+
+    module = cmd.index("ciders.transports.flower.fleet_gateway")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gw, "serve", serve)
+        with pytest.raises(KeyboardInterrupt):
+            gw.main(cmd[module + 1:])
+    return got["limits"]
+
+
+def test_deploy_gateway_cmd_carries_the_gateway_limits_and_its_defaults(tmp_path):
+    """`gateway_cmd` passes the limits through (the gateway's own defaults when not given), and the gateway's
+    own parser reads them back."""
+    plain = Deployment(tmp_path, secure=False)
+    assert gateway_limits(plain.gateway_cmd()) == (gw.MAX_BODY, gw.MAX_CONNECTIONS, gw.REQUEST_S)
+    assert arg(plain.gateway_cmd(), "--max-connections") == str(gw.MAX_CONNECTIONS)  # explicit, not implied
+    set_ = Deployment(tmp_path, secure=False, max_body=32 * 2**20, max_connections=200, request_timeout=30.5)
+    assert gateway_limits(set_.gateway_cmd("0.0.0.0")) == (32 * 2**20, 200, 30.5)
+    secure = Deployment(tmp_path, max_connections=300).gateway_cmd()
+    assert arg(secure, "--max-connections") == "300" and "--certfile" in secure
+
+
+def test_deploy_superlink_cli_passes_the_gateway_limits_through(tmp_path):
+    from ciders.cli import parser
+    from ciders.transports.flower.commands import deployment
+
+    base = ["flower", "superlink", str(tmp_path), "--bind", "0.0.0.0"]
+    given = deployment(parser().parse_args([*base, "--max-body", "1000000", "--max-connections", "408",
+                                            "--request-timeout", "300"]))
+    cmd = given.gateway_cmd("0.0.0.0")
+    assert (arg(cmd, "--max-body"), arg(cmd, "--max-connections")) == ("1000000", "408")
+    assert float(arg(cmd, "--request-timeout")) == 300
+    assert (given.control_host, given.port) == ("127.0.0.1", 9092)  # the limits leave the addresses alone
+    default = deployment(parser().parse_args([*base, "--max-connections", "100"])).gateway_cmd("0.0.0.0")
+    assert (arg(default, "--max-body"), arg(default, "--max-connections")) == (str(gw.MAX_BODY), "100")
+    assert float(arg(default, "--request-timeout")) == gw.REQUEST_S
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-connections", "0", "must be a positive integer, got '0'"),
+    ("--max-connections", "-3", "must be a positive integer, got '-3'"),
+    ("--max-connections", "many", "must be a positive integer, got 'many'"),
+    ("--max-body", "1.5", "must be a positive integer, got '1.5'"),
+    ("--max-body", "0", "must be a positive integer, got '0'"),
+    ("--request-timeout", "0", "must be a positive number of seconds, got '0'"),
+    ("--request-timeout", "-1", "must be a positive number of seconds, got '-1'"),
+    ("--request-timeout", "inf", "must be a positive number of seconds, got 'inf'"),
+    ("--request-timeout", "nan", "must be a positive number of seconds, got 'nan'"),
+    ("--request-timeout", "soon", "must be a positive number of seconds, got 'soon'")])
+def test_deploy_superlink_cli_refuses_bad_gateway_limits_in_one_line(tmp_path, capsys, flag, value, message):
+    from ciders.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["flower", "superlink", str(tmp_path), f"{flag}={value}"])
+    assert exc.value.code == 2
+    assert f"error: argument {flag}: {message}\n" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()  # refused before any Deployment (nothing started)
+
+
+@pytest.mark.parametrize("limits,message", [
+    ({"max_connections": 0}, "--max-connections must be a positive integer, got 0"),
+    ({"max_body": -1}, "--max-body must be a positive integer, got -1"),
+    ({"max_body": 2.0}, "--max-body must be a positive integer, got 2.0"),
+    ({"max_connections": True}, "--max-connections must be a positive integer, got True"),
+    ({"request_timeout": 0}, "--request-timeout must be a positive number of seconds, got 0"),
+    ({"request_timeout": float("nan")}, "--request-timeout must be a positive number of seconds, got nan"),
+    ({"request_timeout": "120"}, "--request-timeout must be a positive number of seconds, got '120'")])
+def test_deploy_refuses_bad_gateway_limits(tmp_path, limits, message):
+    with pytest.raises(CidersError, match=re.escape(message)):
+        Deployment(tmp_path, **limits)
+
+
+def test_deploy_loopback_sizes_the_gateway_for_its_supernodes(tmp_path, monkeypatch):
+    from ciders.transports.flower import deploy
+
+    assert [deploy.gateway_connections(n) for n in (1, 14, 15, 16, 100)] == [gw.MAX_CONNECTIONS, 64, 68, 72, 408]
+    seen = []
+
+    def start_superlink(self, *a, **kw):
+        seen.append(self.gateway_cmd())
+        raise CidersError("stopped before starting anything")
+
+    monkeypatch.setattr(deploy.Deployment, "start_superlink", start_superlink)
+    for n in (3, 40):
+        with pytest.raises(CidersError, match="stopped before"):
+            deploy.loopback(tmp_path / "c.yaml", tmp_path / "out", n, tmp_path / f"w{n}", secure=False, log=lambda m: 0)
+    assert [arg(c, "--max-connections") for c in seen] == [str(gw.MAX_CONNECTIONS), str(4 * 40 + 8)]
+    assert [arg(c, "--max-body") for c in seen] == [str(gw.MAX_BODY)] * 2
+
+
 # ------------------------------------------------------------------------------------------ the gateway
 
 

@@ -2,7 +2,9 @@
 
   credentials WORK --clients N [--host H]   CA, SuperLink certificate (SAN: the hosts), one key per SuperNode
   superlink WORK [--bind ADDR] [--port P] [--control-bind ADDR] [--control-port P]
-        the SuperLink (TLS + SuperNode auth) on the Control address, the Fleet gateway on the Fleet one
+            [--max-body B] [--max-connections N] [--request-timeout S]
+        the SuperLink (TLS + SuperNode auth) on the Control address, the Fleet gateway (with these limits;
+        default: the gateway's own, fleet_gateway.MAX_*) on the Fleet one
   register WORK PUBKEY... [--control HOST:PORT]   the operator admits SuperNodes (Control address only)
   supernode WORK --partition I --clients N --superlink HOST:PORT --state-dir DIR   (the Fleet address)
   launch CONFIG --out OUT --work WORK [--control HOST:PORT] [--resume] [--set K=V]   flwr run, wait, status
@@ -15,6 +17,7 @@ refuses a wildcard or the Fleet address for it.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import time
 from pathlib import Path
@@ -29,14 +32,34 @@ def _address(s: str, what: str = "--superlink") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _positive_int(s: str) -> int:
+    if not s.strip().isdigit() or int(s) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
+    return int(s)
+
+
+def _seconds(s: str) -> float:
+    try:
+        t = float(s)
+    except ValueError:
+        t = math.nan
+    if not math.isfinite(t) or t <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {s!r}")
+    return t
+
+
+GATEWAY_LIMITS = ("max_body", "max_connections", "request_timeout")  # fleet_gateway's options, passed through
+
+
 def deployment(a: argparse.Namespace):
     """The Deployment a role's arguments describe (the addresses each role uses, nothing started)."""
     from ciders.transports.flower.deploy import Deployment
 
     secure = not getattr(a, "insecure", False)
     if a.role == "superlink":  # this host: the SuperLink's own Control address, the gateway's Fleet port
+        limits = {k: getattr(a, k) for k in GATEWAY_LIMITS if getattr(a, k) is not None}  # else the gateway's
         return Deployment(Path(a.work), port=a.port, control_host=a.control_bind, control_port=a.control_port,
-                          secure=secure)
+                          secure=secure, **limits)
     if a.role == "supernode":
         host, port = _address(a.superlink)
         return Deployment(Path(a.work), port=port, host=host, secure=secure)
@@ -95,6 +118,19 @@ def _cmd(a: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway_options(r) -> None:
+    """The Fleet gateway's limits (python -m ciders.transports.flower.fleet_gateway --help); not given: the
+    gateway's own defaults (not imported here: the gateway module loads httpx, too slow for every CLI start)."""
+    r.add_argument("--max-body", type=_positive_int, metavar="BYTES",
+                   help="largest Fleet request body the gateway accepts (default: the gateway's, 3x Flower's largest)")
+    r.add_argument("--max-connections", type=_positive_int, metavar="N",
+                   help="connections the gateway serves at once (default: the gateway's, for 16 SuperNodes; "
+                   "a SuperNode holds up to 4: give 4 x nodes + 8 for more)")
+    r.add_argument("--request-timeout", type=_seconds, metavar="S",
+                   help="seconds a Fleet request may take to arrive, or its response to be read "
+                   "(default: the gateway's)")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("flower", help="deploy on Flower: credentials, SuperLink, SuperNodes, launch (docs/flower.md)")
     roles = p.add_subparsers(dest="role", required=True)
@@ -110,6 +146,7 @@ def add_parser(sub) -> None:
                    help="Control address: 127.0.0.1 or a management address, never the Fleet one")
     r.add_argument("--control-port", type=int, default=9093, help="Control port (the SuperLink itself)")
     r.add_argument("--insecure", action="store_true", help="no TLS, no node auth (a trusted test network only)")
+    _gateway_options(r)
     r = roles.add_parser("register", help="admit SuperNodes: register their public keys (operator, Control address)")
     r.add_argument("work")
     r.add_argument("keys", nargs="+", help="public key files (supernode<i>.pub); the name is the file's stem")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import re
 import signal
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ciders.errors import CidersError
+from ciders.transports.flower.fleet_gateway import MAX_BODY, MAX_CONNECTIONS, REQUEST_S
 
 CONN = "ciders"  # the connection name in $FLWR_HOME/config.toml
 
@@ -138,6 +140,26 @@ def check_addresses(fleet_bind: str, control_host: str) -> None:
                           "or a management address the SuperNodes cannot reach")
 
 
+CONNECTIONS_PER_NODE = 4  # a SuperNode's connections to the gateway at most (fleet_gateway.MAX_CONNECTIONS)
+
+
+def gateway_connections(nodes: int) -> int:
+    """The Fleet gateway's connection limit for `nodes` SuperNodes: 4 each and 8 spare (a restarted node's
+    old connections until they close), never below the gateway's own default."""
+    return max(MAX_CONNECTIONS, CONNECTIONS_PER_NODE * nodes + 8)
+
+
+def check_gateway_limits(max_body: int, max_connections: int, request_timeout: float) -> None:
+    """Refuse limits the Fleet gateway cannot serve with: counts must be positive integers, the timeout a
+    positive finite number of seconds."""
+    for flag, v in (("--max-body", max_body), ("--max-connections", max_connections)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CidersError(f"{flag} must be a positive integer, got {v!r}")
+    t = request_timeout
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise CidersError(f"--request-timeout must be a positive number of seconds, got {t!r}")
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -154,11 +176,15 @@ class Deployment:
     node_port: int = 9094  # SuperNode i serves its ClientApps on node_port + i (127.0.0.1)
     control_port: int = 9093  # the SuperLink itself (Control, Runtime and Fleet APIs): operator only
     control_host: str = "127.0.0.1"  # 127.0.0.1 or a management address, never the Fleet address
+    max_body: int = MAX_BODY  # the Fleet gateway's limits (fleet_gateway's options and defaults)
+    max_connections: int = MAX_CONNECTIONS  # 4 per SuperNode: gateway_connections(nodes) above 16 nodes
+    request_timeout: float = REQUEST_S
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     groups: set[int] = field(default_factory=set)  # every process group started (for `leftovers`)
 
     def __post_init__(self):
         check_addresses(self.host, self.control_host)
+        check_gateway_limits(self.max_body, self.max_connections, self.request_timeout)
         self.work = Path(self.work).resolve()
         self.home = self.work / "flwr_home"
         self.logs = self.work / "logs"
@@ -190,7 +216,9 @@ class Deployment:
     def gateway_cmd(self, bind: str | None = None) -> list[str]:
         c = self.work / "certs"
         cmd = [sys.executable, "-m", "ciders.transports.flower.fleet_gateway",
-               "--listen", f"{_url_host(bind or self.host)}:{self.port}", "--upstream", self.control]
+               "--listen", f"{_url_host(bind or self.host)}:{self.port}", "--upstream", self.control,
+               "--max-body", str(self.max_body), "--max-connections", str(self.max_connections),
+               "--request-timeout", str(self.request_timeout)]
         return cmd + (["--certfile", str(c / "server.pem"), "--keyfile", str(c / "server.key"),
                        "--cafile", str(c / "ca.crt")] if self.secure else ["--insecure"])
 
@@ -415,14 +443,16 @@ def loopback(config: Path, out: Path, n_clients: int, work: Path, overrides: lis
              port: int = 9092, node_port: int = 9094, log=print, control_port: int = 9093,
              data_files: list[Path] | None = None) -> str:
     """The whole deployment on 127.0.0.1: credentials, SuperLink (Control on `control_port`), the Fleet
-    gateway (`port`), N SuperNodes (state in WORK/nodes/client<i>; `data_files[i]`: node i's own data, for
-    federation.partition=nodes), one run, then every process stopped. Returns the run's final status."""
+    gateway (`port`, its connections sized for N nodes: `gateway_connections`), N SuperNodes (state in
+    WORK/nodes/client<i>; `data_files[i]`: node i's own data, for federation.partition=nodes), one run, then
+    every process stopped. Returns the run's final status."""
     work = Path(work)
     if data_files and len(data_files) != n_clients:
         raise CidersError(f"--data-file: give one per SuperNode ({n_clients}), got {len(data_files)}")
     if secure:
         make_credentials(work, n_clients)
-    dep = Deployment(work, port=port, node_port=node_port, secure=secure, control_port=control_port)
+    dep = Deployment(work, port=port, node_port=node_port, secure=secure, control_port=control_port,
+                     max_connections=gateway_connections(n_clients))
     try:
         dep.start_superlink()
         log(f"SuperLink: Fleet on {dep.fleet}, Control on {dep.control} "
