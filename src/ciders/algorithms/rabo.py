@@ -12,12 +12,14 @@ importance of the current global weights, `core.masks`; `mask_target = "y"` keep
           optionally the coordinate-wise Jacobian estimator; `core.hypergrad`); server
           x^s_{q+1} = x^s_q - alpha (1/C^s_x) sum_{i in N^s} grad f_i^s
 Untrained coordinates keep their value; the covering numbers C_x*, C_y* of the round are reported.
-Pure functions over explicit state, as `ciders.algorithms.ciders`.
+Pure functions over explicit state, as `ciders.algorithms.ciders`. The state also carries the norms of the run's
+initial x_0 and y_0 (`BilevelState.ref`), what the server bounds each reply's step against
+(docs/security.md#aggregation): fixed at the start, never re-taken from the current state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -26,7 +28,7 @@ from ciders.core import aggregate as agg
 from ciders.core import hypergrad as hg
 from ciders.core import masks as mk
 from ciders.config.bilevel import RaboConfig  # noqa: F401 - the config lives in the config layer
-from ciders.core.tensors import State, clone, lincomb
+from ciders.core.tensors import State, clone, lincomb, norm
 
 BiLoss = Callable[[State, State, object], torch.Tensor]  # (x, y, batch) -> scalar
 
@@ -36,6 +38,9 @@ class BilevelState:
     round: int
     x: State
     y: State
+    ref: dict | None = None  # `ref_norms(x_0, y_0)`: what federation.max_step_ratio bounds each reply's step
+    #                          against, fixed at the run's start so no client can inflate it (None: taken from
+    #                          x and y when first used, `with_ref`)
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,25 @@ class ClientMasks:
     capacity: float
 
 
+def joined(x: State, y: State) -> State:
+    """x and y as one state, x/<k> and y/<k> (what the local baselines' bound measures)."""
+    return {**{f"x/{k}": v for k, v in x.items()}, **{f"y/{k}": v for k, v in y.items()}}
+
+
+def ref_norms(x: State, y: State) -> dict:
+    """{"x": ||x||, "y": ||y||, "xy": ||(x, y)||} (float64 norms): the step bound's references, one per thing
+    a reply moves (y in the inner phase, x in the outer one, both in a local baseline's)."""
+    return {"x": norm(x), "y": norm(y), "xy": norm(joined(x, y))}
+
+
 def init_state(x: State, y: State) -> BilevelState:
-    return BilevelState(0, clone(x), clone(y))
+    return BilevelState(0, clone(x), clone(y), ref_norms(x, y))
+
+
+def with_ref(state: BilevelState) -> BilevelState:
+    """The state with its step-bound references fixed: as it is, or (a state built without them) the norms of
+    its x and y now, kept from then on."""
+    return state if state.ref is not None else replace(state, ref=ref_norms(state.x, state.y))
 
 
 def client_masks(cfg: RaboConfig, state: BilevelState, capacity: float, units: dict | None = None,
@@ -102,8 +124,8 @@ def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss
 def server_inner(cfg: RaboConfig, state: BilevelState, Gs: Sequence[State], masks: Sequence[ClientMasks]
                  ) -> tuple[BilevelState, dict]:
     y, st = agg.masked_step(state.y, Gs, [m.y for m in masks], cfg.beta)
-    return BilevelState(state.round, state.x, y), {"covering_y": st["covering"],
-                                                   "trained_y": st["coordinates_trained"] / st["coordinates"]}
+    return replace(state, y=y), {"covering_y": st["covering"],
+                                 "trained_y": st["coordinates_trained"] / st["coordinates"]}
 
 
 def outer_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, f: BiLoss, g: BiLoss, batch
@@ -128,8 +150,8 @@ def outer_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, f: BiLoss
 def server_outer(cfg: RaboConfig, state: BilevelState, hs: Sequence[State], masks: Sequence[ClientMasks]
                  ) -> tuple[BilevelState, dict]:
     x, st = agg.masked_step(state.x, hs, [m.x for m in masks], cfg.alpha)
-    return BilevelState(state.round + 1, x, state.y), {"covering_x": st["covering"],
-                                                       "trained_x": st["coordinates_trained"] / st["coordinates"]}
+    return replace(state, round=state.round + 1, x=x), {"covering_x": st["covering"],
+                                                        "trained_x": st["coordinates_trained"] / st["coordinates"]}
 
 
 def payload_fraction(m: ClientMasks) -> dict:

@@ -85,7 +85,8 @@ class BilevelFederationConfig:
                            "(--last-rounds K) needs only eval_rounds = K")
     max_step_ratio: float | None = opt(
         10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
-        "this multiple of max(||state||, 1) (docs/security.md#aggregation); null = accept any finite step")
+        "this multiple of max(r, 1), r the norm at the run's start of what it moves (||y_0||, ||x_0||, ||(x_0, y_0)||; "
+        "docs/security.md#aggregation); null = accept any finite step")
 
     def validate(self) -> None:
         if self.clients < 1 or self.rounds < 1:

@@ -142,7 +142,8 @@ class BilevelRounds:
         if before_checkpoint is not None:
             before_checkpoint()
         s = self.server.state  # round q committed: checkpoints/round_<n>/ then the LATEST pointer
-        self.run.save_checkpoint(q, _flat(s), {"round": s.round, "totals": self.totals, "eval": self.ev}, keep=2)
+        self.run.save_checkpoint(q, _flat(s), {"round": s.round, "ref_norm": s.ref, "totals": self.totals,
+                                               "eval": self.ev}, keep=2)
         self.log(f"round {q}/{self.exp.federation.rounds - 1}: C_x* {rnd['covering_x']} C_y* {rnd['covering_y']} "
                  f"{self.ev if evaluated else '(not evaluated: federation.eval_rounds)'}")
 
@@ -160,8 +161,9 @@ class BilevelRounds:
 def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, exchange: Exchange | None = None,
                 resume: bool = False, faults: Faults | None = None) -> dict:
     """One run of `exp.method` (rounds = exp.federation.rounds); returns the summary. Every round ends with
-    an atomic checkpoint (OUT/checkpoints: x, y, totals); `resume` continues from it (episodes and masks
-    depend only on the seed, the round and the state, so a resumed run equals an uninterrupted one)."""
+    an atomic checkpoint (OUT/checkpoints: x, y, the step bound's references, totals); `resume` continues from
+    it (episodes and masks depend only on the seed, the round and the state, so a resumed run equals an
+    uninterrupted one)."""
     with locked(out):  # the run directory is this process's until the run ends (`rundir.start_run`)
         rounds = BilevelRounds(exp, task, out, resume=resume, log=log)
         return run_rounds(rounds, exchange or in_process(exp, task, faults), exp.federation.rounds, faults)
@@ -173,8 +175,11 @@ def _flat(s) -> dict:
 
 
 def _load_checkpoint(rd: RunDir, t: int, s0):
-    """(state, totals, last eval) of committed round t."""
-    from ciders.algorithms.rabo import BilevelState
+    """(state, totals, last eval) of committed round t. Meta "ref_norm" ({"x": ||x_0||, "y": ||y_0||, "xy":
+    ||(x_0, y_0)||}, the step bound's references; floats, exact through JSON) is absent in checkpoints written
+    before the bound had fixed references: they become the norms of the x and y the checkpoint holds (the bound of
+    the round resumed, as the old rule had it), fixed from then on."""
+    from ciders.algorithms.rabo import BilevelState, ref_norms
 
     tensors, meta = rd.load_checkpoint(t)
     try:
@@ -182,4 +187,6 @@ def _load_checkpoint(rd: RunDir, t: int, s0):
         y = {k: tensors[f"y/{k}"].to(v.device) for k, v in s0.y.items()}
     except KeyError as exc:
         raise CidersError(f"{rd.root}: the checkpoint of round {t} lacks {exc}; the run directory is damaged") from exc
-    return BilevelState(int(meta["round"]), x, y), meta["totals"], meta["eval"]
+    ref = meta.get("ref_norm")
+    ref = ref_norms(x, y) if ref is None else {k: float(ref[k]) for k in ("x", "y", "xy")}
+    return BilevelState(int(meta["round"]), x, y, ref), meta["totals"], meta["eval"]

@@ -11,8 +11,10 @@ A method is a sequence of phases; each phase is one message to each client and o
   dist-maml / fedavg      (`algorithms.fedmeta`: FedAvg of the meta-learner / of the untuned classifier)
 Server (`BilevelServer`, explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i)
 from the global weights; `down(phase, i)` is client i's message; `absorb(phase, replies)` checks each
-reply against the masks the server sent (a malformed one is rejected and logged, never applied) and takes
-the server step over the clients that answered (per-coordinate 1/C^k means, `algorithms.rabo`); `finish`
+reply against the masks the server sent (a malformed one is rejected and logged, never applied; so is one whose
+step is above federation.max_step_ratio x max(r, 1), r the norm at the run's start of what it moves: ||y_0||,
+||x_0|| or ||(x_0, y_0)||, `BilevelState.ref`, docs/security.md#aggregation) and takes the server step over the
+clients that answered (per-coordinate 1/C^k means, `algorithms.rabo`); `finish`
 evaluates and returns the round's records.
 Client (`client_phase`): decodes its message, runs `rabo.inner_update` / `rabo.outer_update`, replies
 with wire bytes and a JSON-able record (loss, loss-evaluation count `calls`, measured `seconds`). Between
@@ -50,6 +52,7 @@ class _Counter:
 
 
 _REFS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+REF_XY = "||(x_0, y_0)||"  # how a local baseline's rejection names its bound's reference
 
 
 def _reference(task) -> tuple[dict, dict]:
@@ -103,8 +106,9 @@ class BilevelRound:
 
 
 class BilevelServer:
-    """The server of one run. Its state is explicit: `state` (x_q, y_q: what the last commit holds) and
-    `round` (BilevelRound); every other attribute is fixed for the run."""
+    """The server of one run. Its state is explicit: `state` (x_q, y_q and the step bound's references, the
+    norms of x_0 and y_0: what the last commit holds) and `round` (BilevelRound); every other attribute is fixed
+    for the run."""
 
     def __init__(self, exp, task, log: Callable[[str], None] = print):
         self.exp, self.cfg, self.task, self.log = exp, exp.rabo, task, log
@@ -131,6 +135,7 @@ class BilevelServer:
     def begin(self, q: int) -> None:
         if self.state.round != q:
             raise ValueError(f"the server is at round {self.state.round}, asked to begin round {q}")
+        self.state = rb.with_ref(self.state)  # a state set without references gets its own norms, fixed from now
         if self.spec.local_update is not None and not self.spec.submodel_local:
             masks = [rb.ClientMasks(_ones(self.state.x), _ones(self.state.y), 1.0) for _ in self.caps]
         else:
@@ -177,7 +182,8 @@ class BilevelServer:
             m = self.masks[i]
             try:
                 v = self._read(phase, i, replies[i], name, getattr(m, field), ref)
-                why = agg.step_check({k: lr * t for k, t in v.items()}, ref, self.exp.federation.max_step_ratio)
+                why = agg.step_check({k: lr * t for k, t in v.items()}, self.state.ref[field],
+                                     self.exp.federation.max_step_ratio, f"||{field}_0||")
                 if why is not None:
                     raise PayloadError(why)
                 vals.append(v)
@@ -192,7 +198,7 @@ class BilevelServer:
             rejected.update(self._aggregate_rejected(phase, [i for i in replies if i not in rejected]))
             nxt = None
         if nxt is None:  # nobody (valid) answered: the state stays
-            nxt = base if phase == "inner" else rb.BilevelState(base.round + 1, base.x, base.y)
+            nxt = base if phase == "inner" else replace(base, round=base.round + 1)
             st = {"covering_y": 0, "trained_y": 0.0} if phase == "inner" else {"covering_x": 0, "trained_x": 0.0}
         stats = {**self.round.stats, f"{phase}_clients": [i for i in replies if i not in rejected], **st}
         self.round = replace(self.round, **({"mid": nxt} if phase == "inner" else {"next": nxt}), stats=stats)
@@ -208,16 +214,15 @@ class BilevelServer:
         from ciders.algorithms.fedmeta import server_mean
 
         s, rejected, xs, ys = self.state, {}, [], []
-        both = {**{f"x/{k}": v for k, v in s.x.items()}, **{f"y/{k}": v for k, v in s.y.items()}}
         for i in replies:
             try:
                 comps, meta = decode(replies[i], {"x": s.x, "y": s.y}, device=_device(s.x))
                 self._check_meta(meta, "local", i)
                 if set(comps) != {"x", "y"}:
                     raise PayloadError(f"reply must hold x and y, got {sorted(comps)}")
-                moved = {**{f"x/{k}": v - s.x[k] for k, v in comps["x"].items()},
-                         **{f"y/{k}": v - s.y[k] for k, v in comps["y"].items()}}
-                why = agg.step_check(moved, both, self.exp.federation.max_step_ratio)
+                moved = rb.joined({k: v - s.x[k] for k, v in comps["x"].items()},
+                                  {k: v - s.y[k] for k, v in comps["y"].items()})
+                why = agg.step_check(moved, s.ref["xy"], self.exp.federation.max_step_ratio, REF_XY)
                 if why is not None:
                     raise PayloadError(why)
                 xs.append(comps["x"])
@@ -225,10 +230,10 @@ class BilevelServer:
             except PayloadError as exc:
                 rejected[i] = str(exc)
                 self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
-        nxt = rb.BilevelState(s.round + 1, s.x, s.y)
+        nxt = replace(s, round=s.round + 1)
         if xs:
             w = [1.0] * len(xs)
-            mean = rb.BilevelState(s.round + 1, server_mean(s.x, xs, w), server_mean(s.y, ys, w))
+            mean = replace(nxt, x=server_mean(s.x, xs, w), y=server_mean(s.y, ys, w))
             if agg.all_finite(mean.x, mean.y):
                 nxt = mean
             else:
@@ -245,7 +250,6 @@ class BilevelServer:
         client models that hold it, s^k - (1/C^k) sum_{i in N^k} (s^k - x_i^k); nobody's coordinates stay.
         A reply is the kept entries of the client's change s - x_i (`dx`, `dy`), checked like RABO's."""
         s, rejected, dxs, dys, used = self.state, {}, [], [], []
-        both = {**{f"x/{k}": v for k, v in s.x.items()}, **{f"y/{k}": v for k, v in s.y.items()}}
         for i in replies:
             m = self.masks[i]
             try:
@@ -254,8 +258,7 @@ class BilevelServer:
                 if set(comps) != {"dx", "dy"}:
                     raise PayloadError(f"reply must hold dx and dy, got {sorted(comps)}")
                 dx, dy = sm.scatter(comps["dx"], m.x, s.x, f"{i} dx"), sm.scatter(comps["dy"], m.y, s.y, f"{i} dy")
-                why = agg.step_check({**{f"x/{k}": v for k, v in dx.items()}, **{f"y/{k}": v for k, v in dy.items()}},
-                                     both, self.exp.federation.max_step_ratio)
+                why = agg.step_check(rb.joined(dx, dy), s.ref["xy"], self.exp.federation.max_step_ratio, REF_XY)
                 if why is not None:
                     raise PayloadError(why)
                 dxs.append(dx)
@@ -264,13 +267,13 @@ class BilevelServer:
             except PayloadError as exc:
                 rejected[i] = str(exc)
                 self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
-        nxt, st = rb.BilevelState(s.round + 1, s.x, s.y), {"covering_x": 0, "covering_y": 0, "trained_x": 0.0,
-                                                           "trained_y": 0.0}
+        nxt, st = replace(s, round=s.round + 1), {"covering_x": 0, "covering_y": 0, "trained_x": 0.0,
+                                                  "trained_y": 0.0}
         if dxs:
             x, sx = agg.masked_step(s.x, dxs, [m.x for m in used], 1.0)
             y, sy = agg.masked_step(s.y, dys, [m.y for m in used], 1.0)
             if agg.all_finite(x, y):
-                nxt = rb.BilevelState(s.round + 1, x, y)
+                nxt = replace(nxt, x=x, y=y)
                 st = {"covering_x": sx["covering"], "covering_y": sy["covering"],
                       "trained_x": sx["coordinates_trained"] / sx["coordinates"],
                       "trained_y": sy["coordinates_trained"] / sy["coordinates"]}
@@ -284,7 +287,8 @@ class BilevelServer:
         """The round's state becomes the state; returns the round's statistics."""
         if self.round is None or self.round.next is None:
             raise ValueError("finish: the round has not taken its last server step")
-        self.state, stats, self.round = self.round.next, self.round.stats, None
+        # the references go on as they were, whatever the step built: never re-taken from the state
+        self.state, stats, self.round = replace(self.round.next, ref=self.state.ref), self.round.stats, None
         return stats
 
     def _check_meta(self, meta: dict, phase: str, i: str) -> None:
