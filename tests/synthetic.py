@@ -136,3 +136,26 @@ def one_round(tmp_path):
         msg, _, _ = broadcast_message(cfg.algorithm, state, alg.init_copy(ref), cid, {}, set())
         ups[cid] = client_round(cfg, task, store, cid, msg, {})
     return cfg, task, ref, rnd, ups
+
+
+def client_uploads(c, server, copies, states, ids, fns):
+    """The uploads of clients `ids` (each runs `client_update` on its broadcast; `states` updated in place)."""
+    from ciders.algorithms import ciders as alg
+
+    ups = []
+    for i in ids:
+        b = alg.make_broadcast(c, server, copies[i])
+        up, states[i], _ = alg.client_update(c, b, states[i], fns[int(i[1:])], [None] * c.local_steps)
+        ups.append(up)
+    return ups
+
+
+def largest_accepted(ok, iters=60):
+    """The largest s >= 0 with ok(s), for ok monotone (true up to a threshold): doubling, then bisection."""
+    lo, hi = 0.0, 1.0
+    while ok(hi) and hi < 1e15:
+        lo, hi = hi, 2 * hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

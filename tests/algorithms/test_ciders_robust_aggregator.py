@@ -11,20 +11,14 @@ from ciders.algorithms import ciders as alg
 from ciders.core import aggregate as agg
 from ciders.core import consensus as cs
 from ciders.core.tensors import equal
-from synthetic import SIZES, cfg, quad_clients, setup
+from synthetic import SIZES, cfg, client_uploads, quad_clients, setup
 
 N = 5
 REGISTERED = [1, 2, 3, 4, 5]  # unequal |D_i|: the mean is weighted, the robust aggregates are not
 HUGE = 1e6
 
 
-def uploads(c, server, copies, states, ids, fns):
-    ups = []
-    for i in ids:
-        b = alg.make_broadcast(c, server, copies[i])
-        up, states[i], _ = alg.client_update(c, b, states[i], fns[int(i[1:])], [None] * c.local_steps)
-        ups.append(up)
-    return ups
+uploads = client_uploads
 
 
 def second_round(**kw):

@@ -15,7 +15,7 @@ import torch
 from ciders.algorithms import ciders as alg
 from ciders.core import consensus as cs
 from ciders.core.tensors import equal, norm
-from synthetic import SIZES, cfg, quad_clients, setup
+from synthetic import SIZES, cfg, client_uploads, largest_accepted, quad_clients, setup
 
 RATIO = 10.0  # federation.max_step_ratio's default
 N = 5  # clients, equal sizes: the attacker's weight p is 1/5
@@ -38,22 +38,11 @@ def _largest_accepted(c, server, copies, cid, honest, u):
         m = alg.server_update(c, server, [up] + honest, copies, SIZES, max_step_ratio=RATIO)[2]
         return cid not in m["rejected"]
 
-    lo, hi = 0.0, 1.0
-    while ok(hi) and hi < 1e15:
-        lo, hi = hi, 2 * hi
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return largest_accepted(ok, 60)
 
 
 def _honest_uploads(c, server, copies, states, fns, ids):
-    ups = []
-    for i in ids:
-        b = alg.make_broadcast(c, server, copies[i])
-        up, states[i], _ = alg.client_update(c, b, states[i], fns[int(i[1:])], [None] * c.local_steps)
-        ups.append(up)
-    return ups
+    return client_uploads(c, server, copies, states, ids, fns)
 
 
 def _run(c, attack, rounds=ROUNDS, ratio=RATIO):

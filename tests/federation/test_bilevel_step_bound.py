@@ -26,6 +26,7 @@ from ciders.federation.inprocess import Faults
 from ciders.federation.loop import SimulatedCrash
 from ciders.federation.rundir import RunDir
 from helpers import QuadTask
+from synthetic import largest_accepted
 from ciders.workloads.bilevel import FewShotTask
 
 RATIO = 10.0  # federation.max_step_ratio's default
@@ -82,13 +83,7 @@ def _largest_accepted(server, phase, u):
         server.round = saved
         return EVIL not in rejected
 
-    lo, hi = 0.0, 1.0
-    while ok(hi) and hi < 1e15:
-        lo, hi = hi, 2 * hi
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    return largest_accepted(ok, 30)
 
 
 def _run(exp, task, attack):
