@@ -46,6 +46,17 @@ def ask(state, fields=None, payload=b"abc", cid="client0"):
     return w.call(state / w.SOCK, fields or {"phase": "train"}, payload, cid, state, None)
 
 
+def logged(lines, text, within=5.0):
+    """Whether the worker logged `text` within `within` s (it logs from its own thread, after the peer has seen the
+    refusal, so a loaded machine can deliver the log line later than the error)."""
+    deadline = time.monotonic() + within
+    while not any(text in s for s in lines):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def key(state):
     return bytes.fromhex((state / w.KEY).read_text().strip())
 
@@ -65,7 +76,7 @@ def test_a_peer_without_the_key_is_refused_before_its_request_is_read_and_the_wo
             c.send_bytes(json.dumps({"fields": {}, "client_id": "c", "state": str(state)}).encode())
             c.send_bytes(b"")
             c.recv_bytes()
-    assert calls == [] and any("handshake failed" in s for s in lines)
+    assert calls == [] and logged(lines, "handshake failed"), lines
     assert ask(state)[1] == b"cba"
 
 
@@ -80,10 +91,7 @@ def test_a_silent_connection_blocks_nobody_and_is_dropped(live, monkeypatch):
     assert time.monotonic() - t0 < 2
     silent.settimeout(5)
     assert silent.recv(1 << 16)  # the challenge; then, unanswered, the handshake times out and the peer is closed
-    deadline = time.monotonic() + 8
-    while not any("handshake failed" in s for s in lines):
-        assert time.monotonic() < deadline, lines
-        time.sleep(0.05)
+    assert logged(lines, "handshake failed", within=8), lines
     silent.close()
 
 
@@ -98,8 +106,7 @@ def test_a_peer_that_leaves_before_its_reply_costs_only_its_own_request(live):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert ask(state, cid="client1")[1] == b"cba"
-    time.sleep(0.1)
-    assert any("went away" in s for s in lines), lines
+    assert logged(lines, "went away"), lines
 
 
 @pytest.mark.parametrize("header, match", [(b"[" * 200_000, "not JSON"), (b"[1]", "not a JSON object"),
@@ -108,7 +115,10 @@ def test_malformed_headers_are_error_replies(live, header, match):
     state, _, calls = live
     with Client(str(state / w.SOCK), family="AF_UNIX", authkey=key(state)) as c:
         c.send_bytes(header)
-        c.send_bytes(b"")
+        try:  # the worker replies and closes without reading the payload frame: the send may race its close
+            c.send_bytes(b"")
+        except BrokenPipeError:
+            pass
         reply = json.loads(c.recv_bytes())
     assert match in reply["error"] and calls == []
     assert ask(state)[1] == b"cba"
