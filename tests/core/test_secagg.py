@@ -250,3 +250,60 @@ def test_the_masks_do_not_depend_on_the_order_a_client_lists_its_tensors():
     vecs["client1"] = dict(reversed(list(vecs["client1"].items())))
     total, active, _ = protocol(p, vecs)
     check_sum(p, vecs, total, active)
+
+
+def _split_view_attack(t: int, told_active: tuple) -> dict | None:
+    """A server with one colluder (client4) that tells the clients of `told_active` that every client sent its
+    vector and the others that client0 dropped, to collect b_0 from the first and sk_s_0 from the second
+    (issue 34, 1c). Returns client0's vector when both secrets are rebuilt, else None."""
+    from ciders.core.secagg import _crypto, _pair_label, _rebuild, _self_label
+
+    _, sym, _, asym = _crypto()
+    p = sa.Params(0, members(5), threshold=t)
+    vecs = vectors(p, 11)
+    sec, keys, commits = {}, {}, {}
+    for c in p.members:
+        sec[c], pub = sa.client_keys(p, c)
+        keys[c], commits[c] = (pub["pk_c"], pub["pk_s"]), pub["commit"]
+    routed = {}
+    for c in p.members:
+        sec[c], cts = sa.client_shares(p, sec[c], keys)
+        for d, ct in cts.items():
+            routed.setdefault(d, {})[c] = ct
+    masked = {}
+    for c in p.members:
+        sec[c], masked[c] = sa.client_mask(p, sa.client_receive(p, sec[c], routed[c]), vecs[c])
+    b_shares, sk_shares = [sec["client4"].held["client0"][0]], [sec["client4"].held["client0"][1]]  # the colluder
+    for c in ("client0", "client1", "client2", "client3"):  # honest: each answers the one request it is sent
+        if c in told_active:
+            _, a = sa.client_unmask(p, sec[c], list(p.members), [])
+            b_shares.append(a["client0"][1])
+        else:
+            _, a = sa.client_unmask(p, sec[c], list(p.members[1:]), ["client0"])
+            sk_shares.append(a["client0"][1])
+    b0 = _rebuild(b_shares, t, lambda b: sa.commitment(b) == commits["client0"])
+    sk0 = _rebuild(sk_shares, t, lambda k: asym.public_key_to_bytes(asym.bytes_to_private_key(k).public_key())
+                   == keys["client0"][1])
+    if b0 is None or sk0 is None:
+        return None
+    y = sa.from_wire(masked["client0"])
+    shapes = {k: v.shape for k, v in y.items()}
+    y = sa.add(y, sa.prg(b0, _self_label(p), shapes), -1)
+    for j in p.members[1:]:
+        key = sym.generate_shared_key(asym.bytes_to_private_key(sk0), asym.bytes_to_public_key(keys[j][1]))
+        y = sa.add(y, sa.prg(key, _pair_label(p, "client0", j), shapes), -sa.sign("client0", j))
+    got = sa.dequantize(y, p.frac_bits, {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in vecs["client0"].items()})
+    assert all(torch.allclose(got[k], vecs["client0"][k].double(), atol=1e-6) for k in got)  # the attack is real
+    return got
+
+
+def test_a_lying_server_with_one_colluder_needs_2t_at_most_g_plus_1():
+    """Secrecy against a server that tells clients different dropout sets, helped by c colluders, holds iff
+    2 t > g + c (docs/security.md#secure-aggregation): with g = 5 and c = 1 the server reads client0's vector at
+    t = 3 (the strict majority) and at no split of the honest clients at t = 4, the default for one colluder."""
+    import itertools
+
+    assert _split_view_attack(3, ("client0", "client1")) is not None
+    honest = ("client0", "client1", "client2", "client3")
+    splits = [s for k in range(len(honest) + 1) for s in itertools.combinations(honest, k) if "client0" in s]
+    assert all(_split_view_attack(4, s) is None for s in splits)

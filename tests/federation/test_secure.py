@@ -421,12 +421,26 @@ def test_a_client_refuses_a_train_message_whose_broadcast_is_not_what_it_announc
     (["algorithm.aggregator=median"], "robust aggregator"),
     (["federation.per_round=2"], "at least 3 clients"),
     (["federation.secagg.neighbours=3"], "even"),
-    (["federation.secagg.threshold=2"], "more than half"),
+    (["federation.secagg.threshold=2"], "at least|more than \\(g \\+ colluders\\)"),
+    (["federation.secagg.threshold=3"], "more than \\(g \\+ colluders\\) / 2 = \\(5 \\+ 1\\) / 2"),
+    (["federation.secagg.threshold=6"], "at most the share group's size"),
+    (["federation.secagg.colluders=5"], "no honest member"),
+    (["federation.secagg.colluders=-1"], "integer >= 0"),
     (["federation.secagg.frac_bits=48", "federation.secagg.clip=1e6"], "2\\^62"),
 ])
 def test_settings_that_would_defeat_secure_aggregation_are_refused(extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, BASE + SECURE + extra)
+
+
+def test_the_default_threshold_keeps_one_colluder_and_a_lying_server_from_a_client_secret():
+    """t > (g + colluders) / 2: 4 of a group of 5 by default (one colluder), a strict majority (3) only when the
+    config trusts every client (colluders 0); with neighbours the group, not the round, sets it."""
+    sc = load_config(None, BASE + SECURE).federation.secagg
+    assert sc.colluders == 1 and sc.t(5) == 4 and sc.t(3) == 3 and sc.t(10) == 6
+    assert load_config(None, BASE + SECURE + ["federation.secagg.colluders=0"]).federation.secagg.t(5) == 3
+    ring = load_config(None, BASE + SECURE + ["federation.secagg.neighbours=2", "federation.secagg.colluders=2"])
+    assert ring.federation.secagg.t(5) == 3  # group of 3: (3 + 2) // 2 + 1
 
 
 def test_a_method_that_uploads_nothing_cannot_run_securely():

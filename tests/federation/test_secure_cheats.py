@@ -22,7 +22,9 @@ from synthetic import VectorTask
 BASE = ["federation.clients=6", "federation.rounds=2", "federation.per_round=5", "algorithm.local_steps=3",
         "algorithm.lr=0.05", "algorithm.gamma=0.3", "algorithm.alpha=0.2", "algorithm.tau=0.5",
         "algorithm.metagrad=fd", "algorithm.schedule=warmup_cosine", "algorithm.warmup_steps=2"]
-SECURE = ["federation.secure_aggregation=true"]
+# the cheat machinery at a strict-majority threshold (3 of 5: secagg.colluders 0); the default threshold's cost in a
+# group of 5 is test_the_default_threshold_trades_a_false_complaint_for_one_colluder below
+SECURE = ["federation.secure_aggregation=true", "federation.secagg.colluders=0"]
 ROUNDS = ["federation.checkpoint_keep=3"]  # rounds -1, 0 and 1 stay readable
 TOL = 1e-9  # test_secure.py's: the fixed point's error through one round, far below 1e-9
 
@@ -234,3 +236,26 @@ def test_an_exclusion_survives_a_resume(tmp_path, monkeypatch, cheater):
     assert sorted(clients) == [0, 1, 2] and all(cheater not in clients[t] and len(clients[t]) == 5 for t in (1, 2))
     _, meta = RunDir(out).load_checkpoint(2)
     assert [e[0] for e in meta["excluded"]] == [cheater]
+
+
+@pytest.mark.parametrize("n", [5, 6])
+def test_the_default_threshold_trades_a_false_complaint_for_one_colluder(tmp_path, monkeypatch, n):
+    """At the default threshold (secagg.colluders 1: t = 4 for a group of 5 or 6) a consistent false complaint
+    leaves the accused's mask key with g - 2 holders: 3 shares in a group of 5, fewer than t, so the round ends
+    without an update (nobody is excluded: the complaint proves nothing); in a group of 6 the 4 shares suffice and
+    round 0 is the plain round without the accused (docs/security.md#secure-aggregation)."""
+    task = VectorTask(n + 1)
+    size = [f"federation.clients={n + 1}", f"federation.per_round={n}"]
+    sampled = sample_clients(sorted(task.clients()), n, 0, 0)
+    liar, honest = sampled[1], sampled[0]
+    _falsely_report(monkeypatch, liar, honest, False)
+    run(tmp_path / "s", "federation.secure_aggregation=true", *ROUNDS, *size, n=n + 1, task=task)
+    monkeypatch.undo()
+    s = _server(tmp_path / "s")
+    assert not any("excluded" in r for r in s.values())
+    if n == 5:
+        assert s[0]["accepted"] == [] and "mask key" in s[0]["rejected"]["sum"]
+        _unmoved(tmp_path / "s")
+    else:
+        run(tmp_path / "p", *ROUNDS, *size, faults=Faults(drop={(0, "train", honest)}), n=n + 1, task=VectorTask(n + 1))
+        close(_round0(tmp_path / "p"), _round0(tmp_path / "s"))

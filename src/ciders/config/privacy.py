@@ -21,10 +21,16 @@ class SecAggConfig:
     neighbours: int | None = opt(
         None, "how many other sampled clients each client shares pairwise masks and key shares with (a ring over "
         "the round's sample, as in SecAgg+); null = all of them (the original SecAgg)")
+    colluders: int = opt(
+        1, "how many clients of a share group may collude with the server and secrecy still hold: a server that "
+        "tells clients different dropout sets rebuilds both secrets of one client when 2 t <= g + colluders "
+        "(g = the group's size), so the threshold must exceed (g + colluders) / 2. 0 trusts every client (then a "
+        "strict majority suffices and more dropouts are tolerated); docs/security.md#secure-aggregation")
     threshold: int | None = opt(
         None, "Shamir threshold t: shares needed to rebuild a client's secret; fewer surviving clients than t "
-        "abort the round's aggregate. null = a strict majority of each share group (itself + neighbours), the "
-        "smallest t that keeps a server that lies about who dropped out from learning both secrets of a client")
+        "abort the round's aggregate. null = the smallest t with 2 t > g + colluders (g = the share group: the "
+        "client and its neighbours), which keeps a server that lies about who dropped out, helped by `colluders` "
+        "clients, from learning both secrets of a client")
     frac_bits: int = opt(
         32, "fixed-point fraction bits of the masked uploads: a value v travels as round(v * 2^frac_bits) in "
         "Z_2^64, so the sum over n clients is off by at most n * 2^-(frac_bits+1) per coordinate")
@@ -35,6 +41,8 @@ class SecAggConfig:
     def validate(self, where: str = "federation.secagg") -> None:
         if self.neighbours is not None and self.neighbours < 1:
             raise ConfigError(f"{where}.neighbours: must be >= 1 or null (every sampled client), got {self.neighbours}")
+        if isinstance(self.colluders, bool) or not isinstance(self.colluders, int) or self.colluders < 0:
+            raise ConfigError(f"{where}.colluders: must be an integer >= 0, got {self.colluders!r}")
         if self.threshold is not None and self.threshold < 2:
             raise ConfigError(f"{where}.threshold: must be >= 2 (one share would be the secret itself) or null, "
                               f"got {self.threshold}")
@@ -49,7 +57,7 @@ class SecAggConfig:
 
     def t(self, sampled: int) -> int:
         """The Shamir threshold for a round of `sampled` clients."""
-        return self.threshold if self.threshold is not None else self.group(sampled) // 2 + 1
+        return self.threshold if self.threshold is not None else (self.group(sampled) + self.colluders) // 2 + 1
 
     def check_round_size(self, sampled: int, where: str = "federation") -> None:
         """The cross-field checks that need the round's sample size (federation.per_round or clients)."""
@@ -60,11 +68,19 @@ class SecAggConfig:
         if self.neighbours is not None and self.neighbours % 2:
             raise ConfigError(f"{where}.secagg.neighbours: the ring gives each client the same number of "
                               f"neighbours on each side, so it must be even, got {self.neighbours}")
-        t = self.t(sampled)
-        if not 2 * t > g or t > g:
-            raise ConfigError(f"{where}.secagg.threshold: must be more than half of a share group and at most its "
-                              f"size ({g} = the client and its neighbours), got {t}; with a smaller threshold a "
-                              "server that lies about who dropped out can rebuild both of a client's secrets")
+        t, c = self.t(sampled), self.colluders
+        if c >= g:
+            raise ConfigError(f"{where}.secagg.colluders: {c} colluders in a share group of {g} (the client and its "
+                              "neighbours) leave no honest member to keep a secret; lower secagg.colluders or raise "
+                              "secagg.neighbours / federation.per_round")
+        if t > g:
+            raise ConfigError(f"{where}.secagg.threshold: at most the share group's size ({g} = the client and its "
+                              f"neighbours), got {t}")
+        if not 2 * t > g + c:
+            raise ConfigError(f"{where}.secagg.threshold: must be more than (g + colluders) / 2 = ({g} + {c}) / 2, "
+                              f"got {t}; with a smaller threshold a server that lies about who dropped out, helped by "
+                              f"{c} colluding client(s), can rebuild both of a client's secrets (raise the threshold, "
+                              "or set secagg.colluders lower if you trust more of the clients)")
         top = self.clip * 2.0 ** self.frac_bits * sampled
         if top >= 2.0 ** 62:
             raise ConfigError(f"{where}.secagg: clip * 2^frac_bits * clients per round = {top:.3g} must stay below "
