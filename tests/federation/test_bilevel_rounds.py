@@ -66,6 +66,53 @@ def test_a_round_through_messages_equals_the_algorithm_called_directly(tmp_path,
     assert all(torch.equal(got[f"y/{k}"], v) for k, v in want.y.items())
 
 
+@pytest.mark.parametrize("method", ["rabo", "rafbo"])
+def test_one_head_per_episode_is_one_phase_with_the_hypergradient_at_the_clients_own_head(tmp_path, method):
+    """rabo.head: episode. Each client fits y_T from 0 on its own episode (T steps of beta, its sub-model) and
+    sends the hypergradient taken at (x_q, y_T); the round has only the outer phase, y never moves, and x equals
+    the algorithm called directly."""
+    exp, task = exp_for(method, rounds=2, head="episode"), QuadTask()
+    run_bilevel(exp, task, tmp_path, log=lambda s: None)
+    cfg, state = exp.rabo, rb.init_state(*task.initial())
+    for q in range(2):
+        masks = [rb.client_masks(cfg, state, r, units=task.units(), client=i, capacities=task.caps)
+                 for i, r in enumerate(task.caps)]
+        hs = []
+        for i, m in enumerate(masks):
+            (x, mx), (y0, my) = sm.client_view(state.x, m.x), sm.client_view(state.y, m.y)
+            mi = rb.ClientMasks(mx, my, m.capacity)
+            y, _ = rb.episode_head(cfg, x, y0, mi, task.g, task.batches(i, q, cfg.inner_steps))
+            manual = {k: torch.zeros_like(v) for k, v in y0.items()}
+            for _ in range(cfg.inner_steps):  # the head from 0, masked gradient steps on g
+                gy = torch.func.grad(lambda b: task.g(x, b, i))(manual)
+                manual = {k: manual[k] - cfg.beta * gy[k] for k in manual}
+            assert all(torch.allclose(y[k], manual[k], atol=1e-12) for k in y)
+            h = rb.outer_update(cfg, rb.BilevelState(q, x, y), mi, task.f, task.g, i)[0]
+            hs.append(sm.scatter(sm.gather(h, mi.x), m.x, state.x))
+        state = rb.server_outer(cfg, state, hs, masks)[0]
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "final.safetensors"))
+    assert all(torch.equal(got[f"x/{k}"], v) for k, v in state.x.items())
+    assert all(torch.equal(got[f"y/{k}"], v) for k, v in task.initial()[1].items())  # y is never aggregated
+    rounds = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "round"]
+    assert rounds and all("inner_clients" not in r and len(r["outer_clients"]) == 3 for r in rounds)
+
+
+def test_one_head_per_episode_refuses_a_message_without_x_and_is_for_few_shot_only(tmp_path):
+    exp, task = exp_for("rabo", rounds=1, head="episode"), QuadTask()
+    server = BilevelServer(exp, task, log=lambda s: None)
+    server.begin(0)
+    comps, meta = decode(server.down("outer", "client0"))
+    assert set(comps) == {"x", "y"}
+    with pytest.raises(CidersError, match="must hold x and y"):
+        client_phase(exp, task, "outer", "client0", encode({"y": comps["y"]}, meta)[0], {})
+    from ciders.config.base import load_config
+
+    with pytest.raises(ConfigError, match="few-shot"):
+        load_config(None, ["task.kind=losstune", "rabo.mask_target=y", "rabo.head=episode"], cls=BilevelExperiment)
+
+
 def test_a_lost_inner_reply_leaves_the_client_out_of_the_round(tmp_path):
     exp, task = exp_for("rabo", rounds=1), QuadTask()
     logs = []

@@ -121,6 +121,16 @@ def inner_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, g: BiLoss
     return total, {"inner_loss": sum(losses) / len(losses)}
 
 
+def episode_head(cfg: RaboConfig, x: State, y_like: State, m: ClientMasks, g: BiLoss, batches: Sequence
+                 ) -> tuple[State, dict]:
+    """`rabo.head: episode`: the client's own head for its episode, y_T from y_0 = 0 by the inner phase's T
+    masked steps (y_T = -beta G^i; `y_like` gives y's shapes and dtypes), never aggregated: the outer hypergradient is taken at (x_q, y_T), where
+    y_T ~ y*(x_q) of this episode's inner problem (docs/rabo.md#one-head-per-episode)."""
+    zero = {k: torch.zeros_like(v) for k, v in y_like.items()}
+    G, info = inner_update(cfg, BilevelState(-1, x, zero), m, g, batches)
+    return lincomb([(-cfg.beta, G)]), info
+
+
 def server_inner(cfg: RaboConfig, state: BilevelState, Gs: Sequence[State], masks: Sequence[ClientMasks]
                  ) -> tuple[BilevelState, dict]:
     y, st = agg.masked_step(state.y, Gs, [m.y for m in masks], cfg.beta)

@@ -130,6 +130,11 @@ class RaboConfig:
     neumann_eta: float = opt(0.05, "Neumann step (< 2 / lambda_max of the inner Hessian)")
     fd_delta: float = opt(1e-3, "RAFBO finite-difference step (mu)")
     coordinates: bool = opt(False, "RAFBO: the coordinate-wise Jacobian estimator (low-dimensional x)")
+    head: Literal["global", "episode"] = opt(
+        "global", "few-shot: global = one head y shared by every episode (the paper's notation: inner phase on y_q, "
+        "server average, hypergradient at y_{q+1}); episode = each client fits its own head from y = 0 on its "
+        "episode's support (T steps of beta) and takes the hypergradient there, one phase per round, y never sent "
+        "back (docs/rabo.md#one-head-per-episode)")
 
     def validate(self) -> "RaboConfig":
         check_choices(self, "rabo")
@@ -192,4 +197,7 @@ class BilevelExperiment:
         check_seed(self.seed)
         if self.task.kind == "losstune" and self.rabo.mask_target != "y":
             raise ConfigError("loss tuning needs rabo.mask_target: y (every client tunes all the loss hyperparameters)")
+        if self.rabo.head == "episode" and self.task.kind != "fewshot":
+            raise ConfigError("rabo.head: episode is for the few-shot task, whose labels are re-drawn each episode; "
+                              f"task.kind {self.task.kind!r} has one inner problem: keep rabo.head: global")
         return self

@@ -5,6 +5,8 @@ same functions, so they give the same numbers.
 A method is a sequence of phases; each phase is one message to each client and one reply:
   rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
                           outer: down y_{q+1} (kept entries + kept units)   -> up grad f_i (kept entries of x)
+  ... rabo.head: episode  outer only: down x_q, y_q's sub-model -> up grad f_i at the client's own head y_T, fitted
+                          from 0 on its episode (`rabo.episode_head`); y is never aggregated
   static / fedrolex /     local: down the sub-model its rule extracts -> up the kept entries of its change
   fiarse / oap            after the ProtoNet steps on it; the server takes each coordinate's mean over its holders
   dist-protonet /         local: down the full (x, y) -> up the client's model after its local steps
@@ -117,7 +119,9 @@ class BilevelServer:
         self.caps = task.clients()
         self.method = exp.method
         self.spec = get(exp.method, "bilevel")
-        self.phases = self.spec.phases
+        # rabo.head: episode drops the inner phase: each client fits its own head inside the outer one
+        episode = self.cfg.head == "episode" and tuple(self.spec.phases) == ("inner", "outer")
+        self.phases = ("outer",) if episode else self.spec.phases
         self.round: BilevelRound | None = None
 
     @property
@@ -152,6 +156,8 @@ class BilevelServer:
         m, s = self.masks[i], self.state
         meta = {"round": s.round, "client": i, "phase": phase}
         if phase == "inner":
+            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
+        if phase == "outer" and self.phases == ("outer",):  # x and the head's sub-model (its values unused)
             return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
         if phase == "outer":
             return encode({"y": sm.pack(self.round.mid.y, m.y)}, meta)[0]
@@ -191,7 +197,7 @@ class BilevelServer:
             except PayloadError as exc:
                 rejected[i] = str(exc)
                 self.log(f"round {self.state.round} {phase}: rejected the reply of {i}: {exc}")
-        base = self.state if phase == "inner" else self.round.mid
+        base = self.state if phase == "inner" or self.round.mid is None else self.round.mid
         step = rb.server_inner if phase == "inner" else rb.server_outer
         nxt, st = step(self.cfg, base, vals, used) if vals else (None, {})
         if nxt is not None and not agg.all_finite(nxt.x, nxt.y):
@@ -200,6 +206,8 @@ class BilevelServer:
         if nxt is None:  # nobody (valid) answered: the state stays
             nxt = base if phase == "inner" else replace(base, round=base.round + 1)
             st = {"covering_y": 0, "trained_y": 0.0} if phase == "inner" else {"covering_x": 0, "trained_x": 0.0}
+        if phase == "outer" and self.phases == ("outer",):  # rabo.head: episode: no coordinate of y is trained
+            st = {"covering_y": 0, "trained_y": 0.0, **st}
         stats = {**self.round.stats, f"{phase}_clients": [i for i in replies if i not in rejected], **st}
         self.round = replace(self.round, **({"mid": nxt} if phase == "inner" else {"next": nxt}), stats=stats)
         return rejected
@@ -344,6 +352,17 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         scratch.clear()
         scratch.update({"round": {"q": torch.tensor(q)}, "x": x, "mx": mx, "my": my})
         up, calls = encode({"G": sm.gather(G, my)}, {"round": q, "client": i, "phase": phase})[0], g.calls
+    elif phase == "outer" and cfg.head == "episode":  # rabo.head: episode, the round's only phase
+        if set(comps) != {"x", "y"}:
+            raise PayloadError(f"{i}: rabo.head episode's outer message must hold x and y, got {sorted(comps)}")
+        x, mx = sm.unpack(comps["x"], x0, "x")
+        y_sub, my = sm.unpack(comps["y"], y0, "y")  # the head's sub-model: its shapes and mask, not its values
+        m = rb.ClientMasks(mx, my, task.clients()[ci])
+        f, g = _Counter(task.f), _Counter(task.g)
+        y, inner = rb.episode_head(cfg, x, y_sub, m, g, task.batches(ci, q, cfg.inner_steps))
+        h, info = rb.outer_update(cfg, rb.BilevelState(q, x, y), m, f, g, task.outer_batch(ci, q))
+        info = {**inner, **info}
+        up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
     elif phase == "outer":
         if "round" not in scratch or int(scratch["round"]["q"]) != q:
             raise PayloadError(f"{i}: outer message of round {q} without this round's inner phase")
