@@ -86,6 +86,7 @@ SEED_STREAMS: frozenset[str] = frozenset({
     "bilevel-episodes",     # workloads.bilevel few-shot: client i's episode of round q (keys q, i)
     "bilevel-eval",         # workloads.bilevel few-shot: the held-out evaluation episodes
     "bilevel-init",         # workloads.bilevel: the initial model of a bilevel task
+    "bilevel-tune",         # workloads.bilevel few-shot: the tuning split's episodes (task.tune_alphabets)
     "losstune-split",       # workloads.bilevel loss tuning: the permutations dealing train / val to clients
 })
 

@@ -49,6 +49,10 @@ class BilevelTaskConfig:
     val_per_class: int = opt(50, "losstune: balanced validation images per class (from the test split)")
     tune_per_class: int = opt(0, "losstune: balanced images per class held out of the test split for step-size "
                                  "tuning (`ciders bilevel --tune`), disjoint from validation and test; 0 = none")
+    tune_alphabets: tuple[str, ...] = opt((), "fewshot: training alphabets held out of training as the tuning split "
+                                              "(`ciders bilevel --tune`): episodes of their unrotated characters, "
+                                              "disjoint from the training and test characters; e.g. "
+                                              "[Early_Aramaic] (22 characters); empty = none")
 
     def validate(self) -> None:
         if self.kind not in ("fewshot", "losstune"):
@@ -69,6 +73,11 @@ class BilevelTaskConfig:
         if self.tune_per_class < 0 or self.val_per_class + self.tune_per_class >= 1000:
             raise ConfigError("task.tune_per_class: must be >= 0, and val_per_class + tune_per_class must leave "
                               "test images of the 1000 per class")
+        if any(not isinstance(a, str) or not a for a in self.tune_alphabets):
+            raise ConfigError(f"task.tune_alphabets: a list of alphabet names, got {list(self.tune_alphabets)!r}")
+        if self.tune_alphabets and self.kind != "fewshot":
+            raise ConfigError("task.tune_alphabets: the few-shot task's tuning split; loss tuning uses "
+                              "task.tune_per_class")
         if self.n_max > 500:
             raise ConfigError("task.n_max: the shipped CIFAR-10 train subset has 500 images per class")
 

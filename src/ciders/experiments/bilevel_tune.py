@@ -5,9 +5,10 @@ reported on the test split (docs/rabo.md#fair-step-size-tuning).
   1. Each method is tuned over the `--tune` keys it reads: `rabo.*` for RABO / RAFBO / FedMBO, `fedmeta.*` for
      the baselines with their own local step (the full-model and the single-level sub-model ones). Its budget is the number of grid points; methods with
      different budgets are reported as such (the table shows each budget).
-  2. Every grid point runs once, at the config's seed. Its score is the tuning-split metric
-     (`tune_balanced_accuracy`: `task.tune_per_class` images per class, disjoint from validation and test), averaged
-     over the last K rounds. The best point wins; ties go to the first point in grid order.
+  2. Every grid point runs once, at the config's seed. Its score is the tuning-split metric, averaged over the last
+     K rounds: loss tuning's `tune_balanced_accuracy` (`task.tune_per_class` images per class, disjoint from
+     validation and test), few-shot's `tune_accuracy` (episodes of `task.tune_alphabets`, training alphabets held
+     out of training). The best point wins; ties go to the first point in grid order.
   3. The winner runs at every seed of `--seeds`. The final figure is the test metric averaged over the last K
      rounds, the mean over the seeds with its 95% t-interval; paired contrasts (same seed) against untuned FedAvg
      and FedMBO, and compute and bytes relative to FedMBO. A seed equal to the tuning seed reuses the tuning run.
@@ -29,7 +30,8 @@ from ciders.experiments.bilevel import UNTRAINED
 from ciders.experiments.bilevel_table import COST_KEYS, signed
 from ciders.fileio import read_jsonl, write_json, write_text
 
-TUNE_METRIC, TEST_METRIC = "tune_balanced_accuracy", "balanced_accuracy"
+# (tuning-split metric, test metric) of each task kind, both in [0, 1], higher is better
+METRICS = {"losstune": ("tune_balanced_accuracy", "balanced_accuracy"), "fewshot": ("tune_accuracy", "accuracy")}
 
 
 def step_section(method: str) -> str:
@@ -51,7 +53,8 @@ def _score(run: Path, key: str, last: int) -> float:
     evals = [r for r in read_jsonl(run / "metrics.jsonl") if r["event"] == "eval"]
     got = last_rounds_mean(evals, last)
     if key not in got:
-        raise ConfigError(f"{run}: its evaluations have no {key!r}; set task.tune_per_class > 0")
+        raise ConfigError(f"{run}: its evaluations have no {key!r}; set task.tune_per_class > 0 (loss tuning) or "
+                          "task.tune_alphabets (few-shot)")
     return float(got[key])
 
 
@@ -72,9 +75,10 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
     from ciders.experiments.bilevel_table import check_last
     from ciders.experiments.sweep import points
 
-    if exp.task.kind != "losstune" or exp.task.tune_per_class < 1:
-        raise ConfigError("--tune needs a tuning split: task.kind losstune with task.tune_per_class >= 1 "
-                          "(the few-shot task has none yet)")
+    if (exp.task.tune_per_class < 1) if exp.task.kind == "losstune" else not exp.task.tune_alphabets:
+        raise ConfigError("--tune needs a tuning split: task.tune_per_class >= 1 (loss tuning) or "
+                          "task.tune_alphabets (few-shot, e.g. --set \"task.tune_alphabets=[Early_Aramaic]\")")
+    tune_key, test_key = METRICS[exp.task.kind]
     check_last(last)
     out = Path(out)
     grids = {m: method_grid(m, tune) for m in methods}
@@ -88,7 +92,7 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
         scores = []
         for k, (name, c) in enumerate(pts[m]):
             log(f"== tune {m} point {k + 1}/{len(pts[m])}: {name}")
-            scores.append(_score(_run(c, out / "tune" / m / name, m, log, engine), TUNE_METRIC, last))
+            scores.append(_score(_run(c, out / "tune" / m / name, m, log, engine), tune_key, last))
         best = max(range(len(scores)), key=lambda j: (scores[j], -j))
         name, chosen = pts[m][best]
         finals, costs = [], []
@@ -96,13 +100,14 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
             d = out / "tune" / m / name if s == exp.seed else out / "final" / f"seed{s}"
             log(f"== final {m} ({name}) seed {s}")
             d = _run(replace(chosen, seed=s), d, m, log, engine)
-            finals.append(100 * _score(d, TEST_METRIC, last))
+            finals.append(100 * _score(d, test_key, last))
             costs.append(_costs(d))
-            initial.setdefault(m, []).append(_initial(d))
+            initial.setdefault(m, []).append(_initial(d, test_key))
         rows.append({"method": m, "budget": len(scores), "chosen": name, "tune_scores": dict(
             zip((n for n, _ in pts[m]), (100 * v for v in scores))), "tune_best": 100 * scores[best],
             "test": {**mean_ci95(finals), "seeds": finals}, "costs": costs})
     result = {"seeds": seeds, "tuning_seed": exp.seed, "last_rounds": last, "tune": tune, "rows": rows,
+              "metric": test_key,
               "untrained": untrained(initial),
               "contrasts": contrasts(rows), "relative_to_fedmbo": relative_costs(rows)}
     write_json(out / "tune.json", result)
@@ -110,12 +115,12 @@ def run_tuned(exp, methods: list[str], seeds: list[int], tune: list[tuple[str, l
     return result
 
 
-def _initial(run: Path) -> float | None:
+def _initial(run: Path, key: str) -> float | None:
     """The test metric of the initial (untrained) model in % (round -1), None in a run made before it was recorded."""
     from ciders.experiments.bilevel import initial_eval
 
     ev = initial_eval(read_jsonl(run / "metrics.jsonl"))
-    return None if ev is None or TEST_METRIC not in ev else 100 * float(ev[TEST_METRIC])
+    return None if ev is None or key not in ev else 100 * float(ev[key])
 
 
 def untrained(initial: dict[str, list[float | None]]) -> dict | None:
@@ -154,7 +159,9 @@ def relative_costs(rows: list[dict]) -> dict:
 def render(result: dict) -> str:
     last = result["last_rounds"]
     rel = result.get("relative_to_fedmbo") or {}
-    lines = [f"Step sizes tuned on the tuning split (seed {result['tuning_seed']}), then balanced test accuracy in % "
+    what = "balanced test accuracy" if result.get("metric", "balanced_accuracy") == "balanced_accuracy" else \
+        "test accuracy (held-out alphabets' episodes)"
+    lines = [f"Step sizes tuned on the tuning split (seed {result['tuning_seed']}), then {what} in % "
              f"(mean of the last {last} rounds' evaluations; mean over seeds {', '.join(map(str, result['seeds']))} "
              "± the 95% t-interval half-width, [sd]). Costs: mean over seeds of method / FedMBO.", "",
              "| method | budget (grid points) | chosen | tuning-split accuracy | test accuracy | op estimate | seconds "

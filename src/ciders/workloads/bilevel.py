@@ -36,11 +36,13 @@ class FewShotTask:
     def __init__(self, pool: dict, capacities: list[float], n_way: int = 5, k_shot: int = 1, q_query: int = 5,
                  width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
                  eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4",
-                 shard_size: int = 0, device: torch.device | str = "cpu", official_runs: list | None = None):
+                 shard_size: int = 0, device: torch.device | str = "cpu", official_runs: list | None = None,
+                 tune_pool: dict | None = None):
         from ciders.tasks import omniglot as om
 
         self.device = torch.device(device)
         self.official_runs = official_runs or []
+        self.tune_pool = tune_pool or {}  # the tuning split: characters no client trains on, nor the test uses
 
         self.om, self.pool, self.caps = om, pool, capacities
         self.shards = om.shard(sorted(pool), len(capacities), seed, shard_size)
@@ -146,6 +148,11 @@ class FewShotTask:
                             self.n_way) for _ in range(self.eval_episodes)]
         out = _mean_ci(accs)
         out["episodes"] = len(accs)
+        if self.tune_pool:  # what `ciders bilevel --tune` selects step sizes on, never the test characters
+            tg, tc = torch.Generator().manual_seed(derive_seed(self.seed, "bilevel-tune")), sorted(self.tune_pool)
+            out["tune_accuracy"] = _mean_ci([self._score(x, self.om.episode(self.tune_pool, tc, self.n_way, self.k_shot,
+                                                                            self.q_query, tg), self.n_way)
+                                             for _ in range(self.eval_episodes)])["accuracy"]
         if self.official_runs:
             off = _mean_ci([self._score(x, ep, 20) for ep in self.official_runs])
             out.update({"official_runs_accuracy": off["accuracy"], "official_runs_ci95": off["ci95"]})
@@ -239,6 +246,24 @@ class LossTuneTask:
         return out
 
 
+def tuning_split(pool: dict, alphabets: tuple[str, ...], n_way: int) -> tuple[dict, dict]:
+    """(training characters, tuning characters): the characters of `alphabets` leave the training pool whole (no
+    client ever trains on them) and become the tuning split. Unknown names and a split too small for an n_way
+    episode are errors naming the fix."""
+    from ciders.errors import ConfigError
+
+    known = sorted({c.split("/")[0] for c in pool})
+    bad = [a for a in alphabets if a not in known]
+    if bad:
+        raise ConfigError(f"task.tune_alphabets: {', '.join(bad)} is not a training alphabet; choose from "
+                          f"{', '.join(known)}")
+    tune = {k: v for k, v in pool.items() if k.split("/")[0] in set(alphabets)}
+    if alphabets and len(tune) < n_way:
+        raise ConfigError(f"task.tune_alphabets: {len(tune)} characters, fewer than task.n_way = {n_way}; hold out "
+                          "more alphabets")
+    return {k: v for k, v in pool.items() if k not in tune}, tune
+
+
 def build(cfg):
     """The task of a BilevelExperiment config, from the real data files."""
     from pathlib import Path
@@ -254,13 +279,16 @@ def build(cfg):
         from ciders.tasks import omniglot as om
 
         pool = om.load_characters(root / "images_background_small1.zip")
+        seen = {c.split("/")[0] for c in pool}  # the test excludes every training alphabet, tuning ones included
+        pool, tune = tuning_split(pool, t.tune_alphabets, t.n_way)
         held = om.load_characters(root / "images_background_small2.zip")
-        held = {k: v for k, v in held.items() if k.split("/")[0] not in {c.split("/")[0] for c in pool}}
+        held = {k: v for k, v in held.items() if k.split("/")[0] not in seen}
         pool = om.rotations(pool, t.rotations)  # training classes only: evaluation stays on unrotated characters
         return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
                            eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
                            shard_size=t.shard_size, device=dev,
-                           official_runs=om.one_shot_runs(root / "all_runs.zip") if (root / "all_runs.zip").is_file() else None)
+                           official_runs=om.one_shot_runs(root / "all_runs.zip") if (root / "all_runs.zip").is_file() else None,
+                           tune_pool=tune)
     from ciders.tasks import longtail as lt
 
     xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")
