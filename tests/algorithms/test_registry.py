@@ -60,3 +60,18 @@ def test_bilevel_config_sets_what_the_method_runs():
     with pytest.raises(ConfigError, match="dist-maml is a baseline of the fewshot task"):
         registry.bilevel_config(replace(exp, task=replace(exp.task, kind="losstune"),
                                         rabo=replace(exp.rabo, mask_target="y")), "dist-maml")
+
+
+def test_rafbos_coordinate_estimator_is_checked_where_the_method_is_fixed():
+    """A config loaded for `ciders bilevel --methods rafbo --set rabo.coordinates=true` names the default method;
+    RAFBO gets the estimator, RABO and FedMBO refuse it (they would ignore it)."""
+    from ciders.algorithms.registry import bilevel_config
+    from ciders.config.base import load_config
+    from ciders.config.bilevel import BilevelExperiment
+    from ciders.errors import ConfigError
+
+    exp = load_config(None, ["rabo.coordinates=true"], cls=BilevelExperiment)
+    assert bilevel_config(exp, "rafbo").rabo.coordinates
+    for name in ("rabo", "fedmbo"):
+        with pytest.raises(ConfigError, match="coordinate-wise estimator is RAFBO's, and"):
+            bilevel_config(exp, name)

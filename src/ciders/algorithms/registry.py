@@ -121,6 +121,10 @@ def bilevel_config(exp, name: str):
         raise ConfigError(f"method {name} runs rabo.method {m.rabo_method}, but the config has rabo.method "
                           f"{exp.rabo.method}; set method: {exp.rabo.method} or drop rabo.method")
     rabo = replace(exp.rabo, method=m.rabo_method, mask_rule=m.mask_rule or exp.rabo.mask_rule)
+    # checked here, where each run's method is fixed: a config loaded for `--methods rafbo` may name another
+    if rabo.coordinates and rabo.method != "rafbo":
+        raise ConfigError(f"rabo.coordinates: the coordinate-wise estimator is RAFBO's, and {name} runs "
+                          f"{rabo.method}; run it with --methods rafbo")
     return replace(exp, method=name, rabo=rabo).validate()
 
 

@@ -155,8 +155,6 @@ class RaboConfig:
                 raise ConfigError(f"rabo.{k}: must be > 0, got {getattr(self, k)}")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.segments):
             raise ConfigError(f"rabo.segments: each must be an integer >= 0, got {list(self.segments)}")
-        if self.coordinates and self.method != "rafbo":
-            raise ConfigError("rabo.coordinates: the coordinate-wise estimator is RAFBO's (set rabo.method: rafbo)")
         return self
 
 
