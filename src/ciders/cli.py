@@ -509,7 +509,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the edge model's directory (a new or empty one, or an earlier export)")
     p.add_argument("--format", choices=("hf", "onnx", "gguf"), default="hf",
                    help="hf: transformers directory; onnx: onnxruntime with a KV cache; gguf: llama.cpp (docs/edge.md)")
-    p.add_argument("--gguf-dtype", choices=("f32", "f16"), default="f32", help="GGUF matrices' dtype (norms stay f32)")
+    p.add_argument("--gguf-dtype", choices=("f32", "f16", "q8_0"), default="f32",
+                   help="GGUF matrices' type; q8_0: 8-bit blocks, as llama.cpp's converter writes them (norms stay f32)")
     _force_arg(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--messenger", help="PEFT messenger directory to use instead of the run's global one")

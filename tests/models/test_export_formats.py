@@ -137,6 +137,86 @@ def test_gguf_f16_halves_the_matrices_and_keeps_norms_f32(tmp_path):
     assert types["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32
 
 
+def quantized_like_llama_cpp(m, qtype):
+    """`m` with each of its matrices through the gguf package's quantize and dequantize: the model a reader of the
+    quantized GGUF should see. Only 2-D weights (norms and biases stay f32, as in llama.cpp's converter) whose rows
+    are whole blocks (the others are the caller's to set)."""
+    import copy
+
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    q = copy.deepcopy(m)
+    with torch.no_grad():
+        for p in q.parameters():
+            if p.ndim == 2 and p.shape[-1] % block == 0:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)))
+    return q
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_gguf_q8_0_quantizes_the_matrices_as_llama_cpps_converter_does(name, tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    d, tok = edge(name)
+    export_edge_model(d, tmp_path / "g", fmt="gguf", tokenizer=tok, gguf_dtype="q8_0")
+    r = GGUFReader(str(tmp_path / "g" / "model.gguf"))
+    types = {t.name: t.tensor_type for t in r.tensors}
+    # convert_hf_to_gguf.py's rule: matrices (token embedding and output included) Q8_0; norms, biases F32
+    assert {n for n, t in types.items() if t != Q.Q8_0} == {n for n in types if n.endswith(("_norm.weight", ".bias"))}
+    assert {t for n, t in types.items() if n.endswith(("_norm.weight", ".bias"))} == {Q.F32}
+    assert types["token_embd.weight"] == Q.Q8_0 and r.fields["general.file_type"].contents() == 7  # MOSTLY_Q8_0
+    info = json.loads((tmp_path / "g" / "ciders_export.json").read_text())["gguf"]
+    assert info["tensor_types"] == {"Q8_0": sum(t == Q.Q8_0 for t in types.values()),
+                                    "F32": sum(t == Q.F32 for t in types.values())} and info["f16_fallback"] == []
+    # the file holds exactly the gguf package's Q8_0 of each matrix: transformers' reader of it computes the model
+    # whose matrices went through quantize + dequantize (this model's logits move by up to ~0.2 of ~0.7 under Q8_0:
+    # random LoRA on tiny matrices; real models move far less, see the slow suite)
+    g = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g"), gguf_file="model.gguf", dtype=torch.float32).eval()
+    ids = tok(question(2), return_tensors="pt").input_ids[:, :32]
+    with torch.no_grad():
+        torch.testing.assert_close(g(ids).logits, quantized_like_llama_cpp(merged_copy(d.adapemu), Q.Q8_0)(ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "g" / "model.gguf").stat().st_size < 0.4 * _f32_size(d, tok, tmp_path)
+
+
+def _f32_size(d, tok, tmp_path) -> int:
+    export_edge_model(d, tmp_path / "f32", fmt="gguf", tokenizer=tok)
+    return (tmp_path / "f32" / "model.gguf").stat().st_size
+
+
+def test_gguf_q8_0_writes_rows_that_are_not_whole_blocks_f16_and_says_so(tmp_path, caplog):
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from ciders.models.gguf_export import write_gguf
+
+    # intermediate 72: ffn_down's rows (72 values) are not whole 32-value Q8_0 blocks; gate/up's (64) are
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).eval()
+    tok = load_tokenizer("tiny-llama")
+    with caplog.at_level("WARNING", logger="ciders.models.gguf_export"):
+        info = write_gguf(m, tok, tmp_path / "model.gguf", dtype="q8_0")
+    assert info["f16_fallback"] == ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]
+    assert "blk.0.ffn_down.weight has rows of 72 values, not a multiple of Q8_0's 32-value block" in caplog.text
+    types = {t.name: t.tensor_type for t in GGUFReader(str(tmp_path / "model.gguf")).tensors}
+    assert types["blk.0.ffn_down.weight"] == Q.F16 and types["blk.0.ffn_up.weight"] == Q.Q8_0
+    assert info["tensor_types"] == {"Q8_0": 14, "F16": 2, "F32": 5}  # 2 x (q, k, v, o, gate, up) + embedding + output
+    g = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32).eval()
+    q = quantized_like_llama_cpp(m, Q.Q8_0)
+    for i in range(2):  # the fallback matrices hold the f16 rounding, not the Q8_0 one
+        w = m.model.layers[i].mlp.down_proj.weight
+        q.model.layers[i].mlp.down_proj.weight.data = w.half().float()
+    ids = torch.arange(3, 35)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(g(ids).logits, q(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_gguf_refuses_what_it_cannot_write(tmp_path):
     from ciders.models.gguf_export import write_gguf
 
@@ -145,8 +225,11 @@ def test_gguf_refuses_what_it_cannot_write(tmp_path):
     m.config.model_type = "phi3"
     with pytest.raises(CidersError, match="GGUF export supports llama, qwen2"):
         write_gguf(m, tok, tmp_path / "x.gguf")
-    with pytest.raises(CidersError, match="f32 or f16"):
+    with pytest.raises(CidersError, match=r"^--gguf-dtype: one of f32, f16, q8_0; got 'q4'$"):
         write_gguf(merged_copy(d.adapemu), tok, tmp_path / "x.gguf", dtype="q4")
+    with pytest.raises(CidersError, match="one of f32, f16, q8_0"):  # before the merge and the output directory
+        export_edge_model(d, tmp_path / "never", fmt="gguf", tokenizer=tok, gguf_dtype="Q8_0")
+    assert not (tmp_path / "never").exists()
     m = merged_copy(d.adapemu)
     m.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
     with pytest.raises(CidersError, match="plain RoPE only"):
@@ -180,8 +263,44 @@ def test_cli_exports_each_format_with_a_model_card(tmp_path, capsys):
         card = (out / "README.md").read_text()
         assert "tiny-qwen2" in card and "layers [0, 3]" in card and "`ciders`" in card
         assert "| global messenger, final | global eval set | 290.500 |" in card and "| before training |" in card
+        if fmt == "gguf":  # the card says what the tensors are stored as
+            assert "--gguf-dtype f32, tensor types: " in card and " F32" in card and "Q8_0" not in card
     assert "No evaluation is recorded" in __import__("ciders.models.model_card", fromlist=["x"]).model_card(
         info, __import__("ciders.config", fromlist=["x"]).load_config(run / "config.yaml"), None, None)
+
+
+def test_cli_gguf_q8_0_card_states_the_tensor_types_and_a_bad_dtype_names_the_choices(tmp_path, capsys):
+    from ciders.cli import main
+
+    run = _run(tmp_path)
+    assert main(["export", str(run), "--out", str(tmp_path / "q8"), "--format", "gguf", "--gguf-dtype", "q8_0"]) == 0
+    info = json.loads((tmp_path / "q8" / "ciders_export.json").read_text())["gguf"]
+    card = (tmp_path / "q8" / "README.md").read_text()
+    assert f"--gguf-dtype q8_0, tensor types: {info['tensor_types']['Q8_0']} Q8_0, " in card
+    assert f"{info['tensor_types']['F32']} F32" in card and "kept F16" not in card
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(run), "--out", str(tmp_path / "q4"), "--format", "gguf", "--gguf-dtype", "q4_0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "--gguf-dtype: invalid choice: 'q4_0' (choose from 'f32', 'f16', 'q8_0')" in err, err
+    assert not (tmp_path / "q4").exists()
+
+
+def test_the_card_names_the_matrices_kept_f16():
+    from ciders.models.model_card import _gguf_types
+
+    text = _gguf_types({"dtype": "q8_0", "tensor_types": {"Q8_0": 14, "F16": 2, "F32": 5},
+                        "f16_fallback": ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]})
+    assert text == ("--gguf-dtype q8_0, tensor types: 14 Q8_0, 5 F32, 2 F16; 2 matrices with rows not a multiple of "
+                    "the quantization block kept F16: blk.0.ffn_down.weight, blk.1.ffn_down.weight")
+
+
+def test_the_cli_offers_the_exporters_dtypes():
+    from ciders.cli import parser
+    from ciders.models.gguf_export import DTYPES
+
+    export = parser()._subparsers._group_actions[0].choices["export"]
+    assert next(a for a in export._actions if a.dest == "gguf_dtype").choices == tuple(DTYPES)
 
 
 def test_adapters_say_which_layers_they_target(tmp_path):

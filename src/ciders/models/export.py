@@ -59,6 +59,10 @@ def export_edge_model(
         raise CidersError(f"export format {fmt!r}: one of {', '.join(FORMATS)}")
     if fmt != "hf" and tokenizer is None:
         raise CidersError(f"a {fmt} export needs the tokenizer")
+    if fmt == "gguf":
+        from ciders.models.gguf_export import check_dtype
+
+        check_dtype(gguf_dtype)  # now, not after the merge
     check_out_path(out_dir, beside=True)  # a bad out_dir fails now, not after the merge and the conversion
     if messenger is not None:
         d.load_messenger(messenger)

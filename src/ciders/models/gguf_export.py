@@ -7,7 +7,11 @@ architectures. `tests/models/test_export_smollm2.py` checks it against the llama
 - Llama's q/k projections are permuted to llama.cpp's rotary layout (`permute_qk`, undone by readers).
   Qwen2 uses the NeoX layout and is written as it is.
 - A tied LM head is not written: llama.cpp then reads token_embd for the output.
-- 1-D tensors (norms, biases) are always float32, as llama.cpp expects. Matrices are float32 or float16 (`dtype`).
+- Which tensors take `dtype` follows convert_hf_to_gguf.py (`tensor_type`): 1-D tensors, norms and anything that
+  is not a `.weight` stay float32, as llama.cpp expects; the other matrices (token embedding and LM head included)
+  are float32, float16 or Q8_0, the last quantized by the `gguf` package's own quantizer (`gguf.quants`, bit-exact
+  with ggml's). A matrix whose rows do not split into whole 32-value blocks is written F16 instead, as that script
+  does, with a warning and a list in what `write_gguf` returns (and so in ciders_export.json and the model card).
 - The tokenizer is byte-level BPE (llama.cpp's "gpt2" model): tokens by id, their types, merges, special ids
   and the chat template. Rows past the tokenizer's vocabulary are padded as [PAD<i>] tokens of type UNUSED.
   `pre_tokenizer` names llama.cpp's pre-tokenizer.
@@ -16,6 +20,7 @@ architectures. `tests/models/test_export_smollm2.py` checks it against the llama
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +32,16 @@ from ciders.models.load import attention_shape
 
 FILE = "model.gguf"
 ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2"}
+# --gguf-dtype -> (llama.cpp's file type, the matrices' tensor type), names from the gguf package's enums.
+# No 4-bit type: gguf can write Q4_0 blocks, but llama.cpp's 4-bit files mix types (llama-quantize keeps the
+# output in Q6_K or Q8_0 and bumps some layers to K-quants, which gguf cannot write); use llama-quantize for those.
+DTYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+log = logging.getLogger(__name__)
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise CidersError(f"--gguf-dtype: one of {', '.join(DTYPES)}; got {dtype!r}")
 
 
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -89,8 +104,7 @@ def write_gguf(model: nn.Module, tok, path: Path, dtype: str = "f32", name: str 
     if c.model_type not in ARCHS:
         raise CidersError(f"GGUF export supports {', '.join(ARCHS)}; this model is {c.model_type!r}: "
                           "export --format hf or onnx instead")
-    if dtype not in ("f32", "f16"):
-        raise CidersError(f"--gguf-dtype: f32 or f16, got {dtype!r}")
+    check_dtype(dtype)
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise CidersError(f"GGUF export writes plain RoPE only; this model has {rope}")
@@ -110,16 +124,22 @@ def write_gguf(model: nn.Module, tok, path: Path, dtype: str = "f32", name: str 
     w.add_head_count_kv(kv)
     w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(getattr(gguf.LlamaFileType, DTYPES[dtype][0]))
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(head_dim)
     _add_tokenizer(w, tok, c.vocab_size, pre_tokenizer(c.model_type, tok_json), tokens, types, merges)
-    n_tensors = _add_tensors(w, model, gguf.get_tensor_name_map(arch, n_layers), dtype, heads, kv)
+    written = _add_tensors(w, model, gguf.get_tensor_name_map(arch, n_layers), dtype, heads, kv)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {"file": Path(path).name, "dtype": dtype, "arch": c.model_type, "tensors": n_tensors,
+    counts: dict[str, int] = {}
+    for t in written.values():
+        counts[t] = counts.get(t, 0) + 1
+    want = DTYPES[dtype][1]
+    fallback = sorted(g for g, t in written.items() if t == "F16" and want != "F16")
+    return {"file": Path(path).name, "dtype": dtype, "arch": c.model_type, "tensors": len(written),
+            "tensor_types": counts, "f16_fallback": fallback,
             "tied_output": bool(getattr(c, "tie_word_embeddings", False)),
             "tokenizer_pre": pre_tokenizer(c.model_type, tok_json)}
 
@@ -140,11 +160,40 @@ def _add_tokenizer(w, tok, n_vocab: int, pre: str, tokens: list, types: list, me
         w.add_chat_template(tok.chat_template)
 
 
-def _add_tensors(w, model: nn.Module, names, dtype: str, heads: int, kv: int) -> int:
-    """Each tensor under its llama.cpp name (Llama's q/k permuted; a tied head left out). Returns the count."""
+def tensor_type(gguf_name: str, shape: tuple, dtype: str) -> str:
+    """The GGML type of one tensor, by convert_hf_to_gguf.py's rule. 1-D tensors, norms and non-.weight tensors
+    stay F32: llama.cpp's kernels for them read F32 only. Other matrices take `dtype`'s type. A block-quantized
+    type needs rows that split into whole blocks; otherwise F16, which is what that script falls back to."""
+    import gguf
+
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
+        return "F32"
+    qtype = DTYPES[dtype][1]
+    block, _ = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype)]
+    if shape[-1] % block:
+        log.warning("GGUF export: %s has rows of %d values, not a multiple of %s's %d-value block: written F16",
+                    gguf_name, shape[-1], qtype, block)
+        return "F16"
+    return qtype
+
+
+def _encode(arr: np.ndarray, qtype: str):
+    """`arr` in GGML type `qtype`: F32 as it is, else through the gguf package's quantizer (F16: a cast; Q8_0:
+    ggml's reference quantization, bit-exact). Returns (data, raw_dtype for add_tensor)."""
+    import gguf
+
+    if qtype == "F32":
+        return arr, None
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    return gguf.quants.quantize(arr, t), t
+
+
+def _add_tensors(w, model: nn.Module, names, dtype: str, heads: int, kv: int) -> dict[str, str]:
+    """Each tensor under its llama.cpp name (Llama's q/k permuted; a tied head left out), in the type
+    `tensor_type` picks. Returns {gguf name: GGML type}."""
     c = model.config
     tied = bool(getattr(c, "tie_word_embeddings", False))
-    n = 0
+    written = {}
     for hf_name, t in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
@@ -157,8 +206,7 @@ def _add_tensors(w, model: nn.Module, names, dtype: str, heads: int, kv: int) ->
         elif c.model_type == "llama" and ".k_proj." in hf_name:
             t = permute_qk(t, kv)
         arr = t.numpy()
-        if dtype == "f16" and arr.ndim > 1:
-            arr = arr.astype(np.float16)
-        w.add_tensor(g, arr)
-        n += 1
-    return n
+        written[g] = tensor_type(g, arr.shape, dtype)
+        data, raw = _encode(arr, written[g])
+        w.add_tensor(g, data, raw_dtype=raw)
+    return written

@@ -28,6 +28,17 @@ def _quality(summary: dict | None, client: str | None, on_node: bool) -> list[st
     return [f"Measured at round {after.get('round')} (round -1 is before training):", "", *rows]
 
 
+def _gguf_types(g: dict) -> str:
+    """What the GGUF's tensors are stored as: a reader of a quantized file must know it is not full precision."""
+    types = g.get("tensor_types") or {}
+    text = "tensor types: " + ", ".join(f"{n} {t}" for t, n in sorted(types.items(), key=lambda kv: -kv[1]))
+    text = f"--gguf-dtype {g.get('dtype', '?')}, {text}" if types else f"--gguf-dtype {g.get('dtype', '?')}"
+    if g.get("f16_fallback"):
+        text += (f"; {len(g['f16_fallback'])} matrices with rows not a multiple of the quantization block kept F16: "
+                 + ", ".join(g["f16_fallback"]))
+    return text
+
+
 def model_card(info: dict, cfg, summary: dict | None, client: str | None) -> str:
     """Markdown for README.md. `info`: the export's ciders_export.json; `cfg`: the run's ExperimentConfig."""
     sp = info["split"]
@@ -35,7 +46,8 @@ def model_card(info: dict, cfg, summary: dict | None, client: str | None) -> str
            "the **global** messenger (the federation's aggregate)")
     fmt = {"hf": "a Hugging Face model directory (config.json + model.safetensors + tokenizer)",
            "onnx": "ONNX (model.onnx + model.onnx.data, KV cache as inputs/outputs; tokenizer.json)",
-           "gguf": "GGUF (model.gguf, tokenizer included), for llama.cpp"}[info["format"]]
+           "gguf": f"GGUF (model.gguf, tokenizer included; {_gguf_types(info.get('gguf') or {})}), for llama.cpp",
+           }[info["format"]]
     d, a, f = cfg.data, cfg.algorithm, cfg.federation
     data_lines = [f"- task: `{d.task}`"]
     if client:
