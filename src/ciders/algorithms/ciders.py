@@ -640,13 +640,15 @@ def encode_broadcast(b: Broadcast, extra: dict | None = None) -> tuple[bytes, di
     return encode({"messenger": b.messenger, "c": b.c, "resync": b.resync, **(extra or {})}, meta)
 
 
-def decode_broadcast(msg: bytes, messenger_ref: State, extra_ref: dict | None = None, device=None) -> tuple[Broadcast, dict]:
+def decode_broadcast(msg: bytes, messenger_ref: State, extra_ref: dict | None = None, device=None,
+                     messenger_wire: State | None = None) -> tuple[Broadcast, dict]:
     """Raises ciders.core.wire.PayloadError for anything malformed (a client trusts its server no more
-    than the server trusts it)."""
+    than the server trusts it). `messenger_wire`: the messenger's reference as it travels (its dtype may be
+    federation.adapter_dtype's), default `messenger_ref`; c and resync always match `messenger_ref`."""
     from ciders.core.wire import PayloadError, decode, fields
 
-    comps, meta = decode(msg, {"messenger": messenger_ref, "c": messenger_ref, "resync": messenger_ref,
-                               **(extra_ref or {})}, device)
+    comps, meta = decode(msg, {"messenger": messenger_ref if messenger_wire is None else messenger_wire,
+                               "c": messenger_ref, "resync": messenger_ref, **(extra_ref or {})}, device)
     f = fields(meta, _BROADCAST, "broadcast")
     applied = meta.get("applied")
     if applied is not None and not (isinstance(applied, list) and len(applied) == 2 and type(applied[0]) is int

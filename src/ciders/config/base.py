@@ -439,6 +439,10 @@ class FederationConfig:
         "model", "Flower engines: dtype of the emulator's base weights in a client's first download: model = as the server holds "
         "them (lossless); bfloat16 halves an fp32 download, rounding B_L and P_M (measured in "
         "benchmarks/edge_download.py; docs/edge.md#the-first-download-in-bfloat16)")
+    adapter_dtype: Literal["model", "bfloat16", "float16"] = opt(
+        "model", "dtype of the messenger and the student LoRA in every broadcast: model = as the server holds them "
+        "(lossless); bfloat16 / float16 halve an fp32 broadcast's adapters. c, a resync copy and every upload stay "
+        "in the model's dtype: Eq. 11 rebuilds Delta_i exactly from dc_i and c_i (docs/method.md#adapters-on-the-wire)")
     max_step_ratio: float | None = opt(
         10.0, "reject an upload whose implied local step ||w - x_K|| (Eq. 11 x K eta_bar) exceeds this multiple "
         "of max(||w_0||, 1), ||w_0|| the messenger's norm at the run's start (docs/security.md#aggregation); "

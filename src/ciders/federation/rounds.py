@@ -39,6 +39,7 @@ from ciders.federation.rundir import MIB, RunDir, sample_clients, start_run, sum
 from ciders.federation.sinks import open_sinks
 from ciders.errors import CidersError
 from ciders.fileio import append_jsonl, read_jsonl, write_json
+from ciders.runtime import DTYPES
 from ciders import phases as timing
 
 
@@ -94,14 +95,28 @@ class Checked:
 # ---------------------------------------------------------------------------------------------- pure steps
 
 
+ADAPTERS = ("student",)  # the downlink extras that travel in federation.adapter_dtype, beside the messenger
+
+
+def wire_dtype(st: dict, name: str) -> dict:
+    """`st` with its floating-point tensors in dtype `name` (federation.adapter_dtype; "model": unchanged)."""
+    if name == "model":
+        return st
+    dt = DTYPES[name]
+    return {k: v.to(dt) if v.is_floating_point() else v for k, v in st.items()}
+
+
 def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, down_extra: dict,
-                      static: set, secure: bool = False) -> tuple[bytes, dict, bool]:
+                      static: set, secure: bool = False, adapter_dtype: str = "model") -> tuple[bytes, dict, bool]:
     """Client `cid`'s message (its own consensus version, and a resync copy if needed; the static
     components only at first contact) -> (bytes, bytes per component, counted). Without communication
-    only the first download happens, so only it is counted."""
+    only the first download happens, so only it is counted. The messenger and the student LoRA travel in
+    `adapter_dtype`; c and a resync copy never do (the client's Eq. 9 and the server's Eq. 11 need them exact)."""
     b = alg.make_broadcast(acfg, state.server, copy, secure=secure)
+    b = replace(b, messenger=wire_dtype(b.messenger, adapter_dtype))
     first = cid not in state.contacted
     mine = down_extra if first else {k: v for k, v in down_extra.items() if k not in static}
+    mine = {k: wire_dtype(v, adapter_dtype) if k in ADAPTERS else v for k, v in mine.items()}
     msg, sizes = alg.encode_broadcast(b, mine)
     return msg, sizes, acfg.communicate or first
 
@@ -294,7 +309,7 @@ class Coordinator:
         for cid in rnd.sampled:
             copy = _load_copy(self.server_store, cid, self.ref)
             out[cid], sizes, counted = broadcast_message(self.cfg.algorithm, self.state, copy, cid, rnd.down_extra,
-                                                         self.static)
+                                                         self.static, adapter_dtype=self.cfg.federation.adapter_dtype)
             if counted:
                 _count(total, sizes)
             lens[cid] = len(out[cid]) if counted else 0
@@ -459,7 +474,10 @@ def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     """`client_round` up to the upload: (the Upload, with Delta_i in `delta`, and the full metrics record)."""
     acfg = cfg.algorithm
     ref = task.initial_messenger()  # shapes / dtypes / device only
-    b, extra = alg.decode_broadcast(msg, ref, dict(extra_ref), device=_dev(ref))
+    ad = cfg.federation.adapter_dtype  # the messenger and student arrive in it; training runs in ref's dtype
+    extra_ref = {k: wire_dtype(v, ad) if k in ADAPTERS else v for k, v in extra_ref.items()}
+    b, extra = alg.decode_broadcast(msg, ref, extra_ref, device=_dev(ref), messenger_wire=wire_dtype(ref, ad))
+    b = replace(b, messenger={k: v.to(ref[k].dtype) for k, v in b.messenger.items()})
     if held is not None:
         for name in getattr(task, "static_extra", lambda: ())():
             if name in extra:

@@ -58,7 +58,8 @@ class SecureCoordinator(Coordinator):
         out, total, lens = {}, dict(rnd.bytes_down), dict(rnd.down_len)
         for cid in (sr.u2 if sr.failed is None else ()):
             inner, _, counted = broadcast_message(self.cfg.algorithm, self.state, load_version(self.server_store, cid),
-                                                  cid, rnd.down_extra, self.static, secure=True)
+                                                  cid, rnd.down_extra, self.static, secure=True,
+                                                  adapter_dtype=self.cfg.federation.adapter_dtype)
             out[cid] = secure.train_message(sr, cid, inner)
             if counted:
                 _count(total, secure.train_sizes(out[cid], inner))
