@@ -42,6 +42,9 @@ class BilevelTaskConfig:
     rotations: int = opt(1, "fewshot: each training character at this many rotations by 90 degrees, each a class "
                          "(1 = none, 4 = the standard augmentation: 136 -> 544 classes, so disjoint shards of 50 "
                          "clients still hold 5-way episodes); held-out evaluation is never rotated")
+    episodes: int = opt(1, "fewshot: episodes each client draws per round (the paper's N_m tasks): the inner steps and "
+                           "the baselines' local steps cycle through them, the outer loss averages over them "
+                           "(rabo.head: episode: one head and hypergradient per episode, averaged)")
     eval_episodes: int = opt(100, "fewshot: held-out episodes for accuracy and its 95% CI")
     eval_steps: int = opt(20, "fewshot: head-fitting steps on each held-out episode's support")
     imbalance: float = opt(100.0, "losstune: imbalance ratio rho of the training set (n_c = n_max rho^(-c/(C-1)))")
@@ -59,7 +62,8 @@ class BilevelTaskConfig:
             raise ConfigError(f"task.kind: must be fewshot or losstune, got {self.kind!r}")
         if self.backbone not in BACKBONES:
             raise ConfigError(f"task.backbone: must be one of {' | '.join(BACKBONES)}, got {self.backbone!r}")
-        for k in ("n_way", "k_shot", "q_query", "width", "eval_episodes", "eval_steps", "n_max", "val_per_class"):
+        for k in ("n_way", "k_shot", "q_query", "width", "episodes", "eval_episodes", "eval_steps", "n_max",
+                  "val_per_class"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"task.{k}: must be >= 1, got {getattr(self, k)}")
         if self.shard_size < 0:

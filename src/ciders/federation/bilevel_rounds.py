@@ -359,9 +359,15 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         y_sub, my = sm.unpack(comps["y"], y0, "y")  # the head's sub-model: its shapes and mask, not its values
         m = rb.ClientMasks(mx, my, task.clients()[ci])
         f, g = _Counter(task.f), _Counter(task.g)
-        y, inner = rb.episode_head(cfg, x, y_sub, m, g, task.batches(ci, q, cfg.inner_steps))
-        h, info = rb.outer_update(cfg, rb.BilevelState(q, x, y), m, f, g, task.outer_batch(ci, q))
-        info = {**inner, **info}
+        eps = task.round_episodes(ci, q) if hasattr(task, "round_episodes") else [task.outer_batch(ci, q)]
+        hs, infos = [], []
+        for ep in eps:  # one head per episode, fitted on its support; the hypergradients averaged
+            y, inner = rb.episode_head(cfg, x, y_sub, m, g, [ep] * cfg.inner_steps)
+            h, info = rb.outer_update(cfg, rb.BilevelState(q, x, y), m, f, g, ep)
+            hs.append(h)
+            infos.append({**inner, **info})
+        h = {k: sum(t[k] for t in hs) / len(hs) for k in hs[0]}
+        info = {k: _merge([d[k] for d in infos]) for k in infos[0]}
         up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
     elif phase == "outer":
         if "round" not in scratch or int(scratch["round"]["q"]) != q:
@@ -379,6 +385,15 @@ def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMa
         raise PayloadError(f"{i}: phase {phase!r} is not a phase of {exp.method}")
     # only what the client measured; the server adds what it knows itself (`client_record`)
     return up, {"calls": calls, "seconds": time.perf_counter() - t0, **info}
+
+
+def _merge(vals: list):
+    """One record value from one per episode: counts add up, measurements average, anything else is the first."""
+    if all(type(v) is int for v in vals):
+        return sum(vals)
+    if all(type(v) in (int, float) for v in vals):
+        return sum(vals) / len(vals)
+    return vals[0]
 
 
 def _local_phase(exp, spec, task, comps: dict, ref: tuple, ci: int, i: str, q: int) -> tuple[bytes, int, dict]:

@@ -37,12 +37,13 @@ class FewShotTask:
                  width: int = 32, reg: float = 0.05, seed: int = 0, eval_pool: dict | None = None,
                  eval_episodes: int = 20, eval_steps: int = 20, eval_lr: float = 0.5, backbone: str = "conv4",
                  shard_size: int = 0, device: torch.device | str = "cpu", official_runs: list | None = None,
-                 tune_pool: dict | None = None):
+                 tune_pool: dict | None = None, episodes: int = 1):
         from ciders.tasks import omniglot as om
 
         self.device = torch.device(device)
         self.official_runs = official_runs or []
         self.tune_pool = tune_pool or {}  # the tuning split: characters no client trains on, nor the test uses
+        self.episodes = episodes  # per client per round
 
         self.om, self.pool, self.caps = om, pool, capacities
         self.shards = om.shard(sorted(pool), len(capacities), seed, shard_size)
@@ -94,27 +95,39 @@ class FewShotTask:
 
         return (vz.resnet12_features if self.backbone == "resnet12" else vz.conv4_features)(x, images)
 
-    def _episode(self, i: int, q: int):
-        """Client i's episode of round q (its support is the inner data, its query the outer data)."""
+    def _episode(self, i: int, q: int, j: int = 0):
+        """Client i's episode j of round q (its support is the inner data, its query the outer data). Episode 0
+        is drawn from (q, i) alone, so task.episodes = 1 gives the same episodes as before the option existed."""
         if self._round != q:
             self._episodes, self._round = {}, q
-        if i not in self._episodes:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, "bilevel-episodes", q, i))
+        if (i, j) not in self._episodes:
+            keys = (q, i) if j == 0 else (q, i, j)
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, "bilevel-episodes", *keys))
             ep = self.om.episode(self.pool, self.shards[i], self.n_way, self.k_shot, self.q_query, gen)
-            self._episodes[i] = _episode_to(ep, self.device)
-        return self._episodes[i]
+            self._episodes[(i, j)] = _episode_to(ep, self.device)
+        return self._episodes[(i, j)]
+
+    def round_episodes(self, i: int, q: int) -> list:
+        """Client i's `episodes` episodes of round q (the paper's N_m tasks)."""
+        return [self._episode(i, q, j) for j in range(self.episodes)]
 
     def batches(self, i: int, q: int, n: int) -> list:
-        return [self._episode(i, q)] * n
+        """n steps' batches, one episode each, cycling through the round's episodes."""
+        eps = self.round_episodes(i, q)
+        return [eps[s % len(eps)] for s in range(n)]
 
     def outer_batch(self, i: int, q: int):
-        return self._episode(i, q)
+        """The outer data: the round's episode, or all of them (f and g then average over the episodes)."""
+        eps = self.round_episodes(i, q)
+        return eps[0] if len(eps) == 1 else eps
 
     def g(self, x, y, ep):
         import torch.nn.functional as F
 
         from ciders.models import vision as vz
 
+        if isinstance(ep, list):  # (1/N_m) sum_j L_{S_j}, the paper's inner objective over N_m tasks
+            return sum(self.g(x, y, e) for e in ep) / len(ep)
         return F.cross_entropy(vz.linear(y, self.features(x, ep.support)), ep.support_labels) + \
             0.5 * self.reg * sum((v ** 2).sum() for v in y.values())
 
@@ -123,6 +136,8 @@ class FewShotTask:
 
         from ciders.models import vision as vz
 
+        if isinstance(ep, list):
+            return sum(self.f(x, y, e) for e in ep) / len(ep)
         return F.cross_entropy(vz.linear(y, self.features(x, ep.query)), ep.query_labels)
 
     def _score(self, x, ep, n_way: int) -> float:
@@ -288,7 +303,7 @@ def build(cfg):
                            eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
                            shard_size=t.shard_size, device=dev,
                            official_runs=om.one_shot_runs(root / "all_runs.zip") if (root / "all_runs.zip").is_file() else None,
-                           tune_pool=tune)
+                           tune_pool=tune, episodes=t.episodes)
     from ciders.tasks import longtail as lt
 
     xs, ys = lt.load_cifar10(root / "cifar10_train_500per_class.zip")
