@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h cpu-privacy cpu-lambda-task cpu-protocol-h-ablations cpu-protocol-r clean
+.PHONY: install demo test test-fast test-docs bench cpu-protocols cpu-protocol-h cpu-privacy cpu-lambda-task cpu-protocol-h-ablations cpu-protocol-r cpu-protocol-r-client-rule cpu-rabo-head cpu-rafbo-coordinates clean
 
 # torch is pinned first in requirements.txt: unpinned, peft/accelerate would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt pyproject.toml
@@ -133,6 +133,40 @@ cpu-protocol-r: $(STAMP)
 		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 6 \
 		--out runs/cpu-protocol-r-paper
 	$(BIN)/ciders report runs/cpu-protocol-r
+
+# Protocol R with only the client rule between the methods (docs/results-cpu.md, "the client rule alone"): CIDERS-FO at
+# tau = 1 with gamma 0.01 and 0 against FedAvg (rates tuned on a grid around the earlier 3e-3), and CIDERS-FO at the
+# paper's tau 0.02 at its earlier tuned rate; 3 seeds. Single-threaded: the pre-alignment's plateau stop turns
+# thread-count rounding into a different stopping step, so the figures are those of OMP_NUM_THREADS=1.
+cpu-protocol-r-client-rule: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.tau=1 --algorithms ciders-fo,fedavg \
+		--seeds 0,1,2 --tune algorithm.lr=1e-3,3e-3,1e-2 --tune-rounds 6 --out runs/cpu-protocol-r-tau1
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.tau=1 --set algorithm.gamma=0 \
+		--algorithms ciders-fo --control none --seeds 0,1,2 --tune algorithm.lr=1e-3,3e-3,1e-2 --tune-rounds 6 \
+		--out runs/cpu-protocol-r-tau1-gamma0
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.lr=3e-3 --algorithms ciders-fo \
+		--control none --seeds 0,1,2 --out runs/cpu-protocol-r-tau002
+
+# RABO with one head per episode against the global head (docs/rabo.md#one-head-per-episode): 20-way 5-shot, 3 seeds,
+# outer step 0.05 and 0.25; single-threaded, as measured
+cpu-rabo-head: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
+		--grid rabo.alpha=0.05,0.25 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
+		--set rabo.head=episode --set rabo.inner_steps=20 --set rabo.beta=0.5 --grid rabo.alpha=0.05,0.25 \
+		--seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-episode
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
+		--set rabo.inner_steps=20 --set rabo.beta=0.5 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global-t20
+
+# RAFBO's coordinate-wise estimator against its directional one in loss tuning (docs/rabo.md#coordinate-wise-jacobian-estimator):
+# both tuned on the same 9-point grid, 5 seeds; FedMBO beside them; single-threaded, as measured
+cpu-rafbo-coordinates: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_losstune.yaml --methods rafbo,fedmbo --set task.tune_per_class=100 \
+		--seeds 0,1,2,3,4 --last-rounds 5 --tune rabo.beta=0.1,0.3,1.0 --tune rabo.alpha=0.02,0.05,0.2 \
+		--out runs/rafbo-directional
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_losstune.yaml --methods rafbo --set rabo.coordinates=true \
+		--set task.tune_per_class=100 --seeds 0,1,2,3,4 --last-rounds 5 --tune rabo.beta=0.1,0.3,1.0 \
+		--tune rabo.alpha=0.02,0.05,0.2 --out runs/rafbo-coordinates
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

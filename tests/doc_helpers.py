@@ -193,13 +193,21 @@ def sub_runs(words: list[str], root: Path = ROOT) -> list[tuple[Path, object]]:
                     eff = algorithms.configure(replace(c, seed=s, name=f"{c.name}-{m}-seed{s}"), m).validate()
                     runs.append((out / point / m / f"seed{s}", eff))
         return runs
-    assert a.cmd == "bilevel" and not a.tune, words
+    assert a.cmd == "bilevel", words
     from ciders.algorithms.registry import bilevel_config
     from ciders.config import BilevelExperiment
     from ciders.experiments.bilevel_table import check_last
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     out = Path(a.out or f"runs/{cfg.name}")
+    if a.tune:  # bilevel_tune.run_tuned: every point of each method's own grid (the winners' seeds reuse them)
+        from ciders.experiments.bilevel_tune import method_grid
+
+        check_last(a.last_rounds)
+        for m in methods:
+            for point, c in points(cfg, method_grid(m, parse_grid(a.tune)), cls=BilevelExperiment):
+                runs.append((out / "tune" / m / point / m, bilevel_config(c, m)))
+        return runs
     if a.seeds is None and not a.grid:  # run_experiment: OUT/<method>
         return [(out / m, bilevel_config(cfg, m)) for m in methods]
     check_last(a.last_rounds)
