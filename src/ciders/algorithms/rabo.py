@@ -141,6 +141,8 @@ def server_inner(cfg: RaboConfig, state: BilevelState, Gs: Sequence[State], mask
 def outer_update(cfg: RaboConfig, state: BilevelState, m: ClientMasks, f: BiLoss, g: BiLoss, batch
                  ) -> tuple[State, dict]:
     """The client's masked hypergradient at (x_q (.) m_x, y_{q+1} (.) m_y) (state.y is y_{q+1})."""
+    if cfg.coordinates and cfg.method != "rafbo":  # a config made for RAFBO run as another method
+        raise ValueError(f"rabo.coordinates: the coordinate-wise estimator is RAFBO's, not {cfg.method}'s")
     x = mk.apply_mask(state.x, m.x)
     y = mk.apply_mask(state.y, m.y)
 
