@@ -237,3 +237,20 @@ def test_bilevel_family_on_flower_equals_in_process(tmp_path, capsys):
     assert "finished:completed" in logs and "still running" not in logs, logs
     assert_same_bilevel_run(tmp_path / "local" / "rabo", tmp_path / "dep-run")
     assert (tmp_path / "dep" / "nodes" / "client0" / "bilevel" / "scratch.json").is_file()
+
+
+def test_one_head_per_episode_on_flower_equals_in_process(tmp_path):
+    """rabo.head: episode (one phase per round, no scratch between phases) with two episodes per client and round,
+    on Flower's simulation: the in-process numbers, bit for bit."""
+    from ciders.cli import main
+
+    data = f"task.data={ROOT / 'data' / 'omniglot-slice'}"
+    cfg = str(ROOT / "configs/cpu/rabo_fewshot.yaml")
+    extra = ["rabo.head=episode", "task.episodes=2", "rabo.beta=0.5"]
+    sets = [x for kv in [*BILEVEL, data, *extra] for x in ("--set", kv)]
+    assert main(["bilevel", cfg, "--out", str(tmp_path / "local"), "--methods", "rabo", *sets]) == 0
+    assert main(["bilevel", cfg, "--out", str(tmp_path / "sim"), "--engine", "flower-sim", "--methods", "rabo",
+                 *sets]) == 0
+    assert_same_bilevel_run(tmp_path / "local" / "rabo", tmp_path / "sim" / "rabo")
+    rounds = [r for r in read_jsonl(tmp_path / "sim" / "rabo" / "metrics.jsonl") if r["event"] == "round"]
+    assert rounds and all("inner_clients" not in r for r in rounds)  # the one-phase round ran
