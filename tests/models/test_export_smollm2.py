@@ -111,17 +111,23 @@ def greedy(tmp_path_factory):
         paths[dtype] = out / dtype / "model.gguf"
     del d
     hf = AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32).eval()
+    prompts, want = torch_greedy(hf, tok)
+    return {"torch": want, "prompts": prompts, "gguf": paths}
+
+
+def torch_greedy(model, tok) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, PyTorch's N_NEW greedy tokens) for the first three chat-formatted questions."""
     prompts, want = [], []
     for q in QUESTIONS[:3]:
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
         with torch.no_grad():
-            new = hf.generate(ids, max_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+            new = model.generate(ids, max_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.pad_token_id)
         prompts.append(ids[0].tolist())
         want.append(new[0, ids.shape[1]:].tolist())
     # no early end of sequence: each comparison covers all N_NEW tokens
     assert [len(w) for w in want] == [N_NEW] * 3, want
-    return {"torch": want, "prompts": prompts, "gguf": paths}
+    return prompts, want
 
 
 def llama_cpp_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -165,16 +171,7 @@ def test_llama_cpp_generates_the_edge_models_greedy_tokens(smol_edge):
     """The 16-layer edge model's f32 GGUF: its greedy path has near-ties (top-2 logit gaps down to 0.0036), so
     matching all 96 tokens says that llama.cpp computes the same function, not just a close one."""
     d, tok, out, _ = smol_edge
-    prompts, want = [], []
-    m = merged_copy(d.adapemu)
-    for q in QUESTIONS[:3]:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        with torch.no_grad():
-            new = m.generate(ids, max_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.pad_token_id)
-        prompts.append(ids[0].tolist())
-        want.append(new[0, ids.shape[1]:].tolist())
-    assert [len(w) for w in want] == [N_NEW] * 3, want
+    prompts, want = torch_greedy(merged_copy(d.adapemu), tok)
     got = llama_cpp_greedy(out / "gguf" / "model.gguf", prompts, N_NEW)
     assert got == want, prefix_agreement(got, want)
 
