@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ciders.config import load_config
+from ciders.errors import ConfigError
 from ciders.core import secagg as sa
 from ciders.core import wire
 from ciders.federation import secure
@@ -259,3 +260,77 @@ def test_the_default_threshold_trades_a_false_complaint_for_one_colluder(tmp_pat
     else:
         run(tmp_path / "p", *ROUNDS, *size, faults=Faults(drop={(0, "train", honest)}), n=n + 1, task=VectorTask(n + 1))
         close(_round0(tmp_path / "p"), _round0(tmp_path / "s"))
+
+
+# ------------------------------------------------------------------------------ cohorts (federation.secagg.cohorts)
+
+COHORTS = ["federation.clients=7", "federation.per_round=6", "federation.rounds=1", "federation.secagg.cohorts=2"]
+
+
+def _cohorts():
+    """Round 0's sample of 6 from 7 and its two cohorts (the halves of the sampling order)."""
+    s = sample_clients(sorted(VectorTask(7).clients()), 6, 0, 0)
+    return s[:3], s[3:]
+
+
+def test_cohorts_sum_to_the_whole_rounds_sum(tmp_path):
+    """Two cohorts, nobody cheating: the server adds the two unmasked sums (n_i Delta_i and n_i add across cohorts
+    as within one), so round 0 is the plain round over all six."""
+    run(tmp_path / "s", *SECURE, *COHORTS, n=7, task=VectorTask(7))
+    run(tmp_path / "p", *COHORTS, n=7, task=VectorTask(7))
+    close(_round0(tmp_path / "p"), _round0(tmp_path / "s"))
+    assert sorted(_server(tmp_path / "s")[0]["accepted"]) == sorted(_clients(tmp_path / "s")[0])
+    assert "failed_cohorts" not in _server(tmp_path / "s")[0]
+
+
+def test_a_scaled_masked_vector_costs_its_cohort_not_the_round(tmp_path, monkeypatch):
+    """The scaled-vector cheat that stops a one-sum round (above): with two cohorts only the cheater's cohort sum
+    falls outside its range; the round finishes with the other cohort's sum, exactly the plain round in which the
+    cheater's cohort dropped out. The server record names the failed cohort; still nobody is excluded."""
+    bad, good = _cohorts()
+    cheater = bad[1]
+    _cheat(monkeypatch, cheater, "train",
+           lambda r: _recode(r, lambda c: {"masked": {k: v * 2 for k, v in c["masked"].items()}}))
+    run(tmp_path / "s", *SECURE, *COHORTS, n=7, task=VectorTask(7))
+    monkeypatch.undo()
+    run(tmp_path / "p", *COHORTS, n=7, task=VectorTask(7), faults=Faults(drop={(0, "train", c) for c in bad}))
+    close(_round0(tmp_path / "p"), _round0(tmp_path / "s"))
+    s = _server(tmp_path / "s")[0]
+    assert sorted(s["accepted"]) == sorted(good) and "excluded" not in s
+    [f] = s["failed_cohorts"]
+    assert f["clients"] == list(bad) and "outside what" in f["why"]
+
+
+def test_a_round_fails_only_when_every_cohort_does(tmp_path, monkeypatch):
+    """A cheater in each cohort: no sum unmasks, the state stays as it was and the reason names both cohorts."""
+    bad, good = _cohorts()
+    real = secure.client_phase
+
+    def client_phase(ph, cfg, sessions, who, msg, **kw):
+        reply, rec = real(ph, cfg, sessions, who, msg, **kw)
+        if ph == "train" and who in (bad[0], good[0]):
+            reply = _recode(reply, lambda c: {"masked": {k: v * 2 for k, v in c["masked"].items()}})
+        return reply, rec
+
+    monkeypatch.setattr(secure, "client_phase", client_phase)
+    run(tmp_path / "s", *SECURE, *COHORTS, *ROUNDS, n=7, task=VectorTask(7))
+    s = _server(tmp_path / "s")[0]
+    assert s["accepted"] == [] and "cohort 0:" in s["rejected"]["sum"] and "cohort 1:" in s["rejected"]["sum"]
+    _unmoved(tmp_path / "s")
+
+
+def test_cohorts_are_sized_to_stay_valid_secure_sums():
+    """Each cohort must be a secure sum on its own (3 clients at least, the threshold rules); too many cohorts for
+    the round are refused naming secagg.cohorts; a round shrunk by exclusions gets fewer cohorts, never a bad one."""
+    with pytest.raises(ConfigError, match="secagg.cohorts: 3 cohorts of a 6-client round leave cohorts of 2"):
+        load_config(None, BASE + SECURE + COHORTS + ["federation.secagg.cohorts=3"])
+    for bad in ("0", "-1", "1.5", "true"):
+        with pytest.raises(ConfigError, match="secagg.cohorts: (must be|expected) an integer"):
+            load_config(None, BASE + SECURE + COHORTS + [f"federation.secagg.cohorts={bad}"])
+    sc = load_config(None, BASE + SECURE + COHORTS).federation.secagg
+    assert [sc.cohort_count(n) for n in (6, 7, 5, 3)] == [2, 2, 1, 1]
+    cfg = load_config(None, BASE + SECURE + COHORTS)
+    ids = tuple(f"c{i}" for i in range(7))
+    parts = secure.start_cohorts(cfg, 0, ids, {c: 1 for c in ids})
+    assert [p.params.members for p in parts] == [ids[:3], ids[3:]]  # disjoint, consecutive, sizes within one
+    assert [p.params.members for p in secure.start_cohorts(cfg, 0, ids[:5], {c: 1 for c in ids})] == [ids[:5]]

@@ -37,6 +37,12 @@ class SecAggConfig:
     clip: float = opt(
         65536.0, "largest |v| a masked coordinate may carry (values beyond are clipped by the client); clip * "
         "2^frac_bits * (sampled clients) must stay below 2^62 so that the sum cannot wrap")
+    cohorts: int = opt(
+        1, "how many disjoint secure sums a round's sample is cut into (consecutive runs of the sampling order, "
+        "sizes within one of each other): the server unmasks each cohort's sum apart, so a cohort whose sum fails "
+        "(a client that alters its masked vector, too many dropouts) costs that cohort's updates, not the round. "
+        "The price is privacy: the server learns each cohort's sum instead of the round's; "
+        "docs/security.md#secure-aggregation")
 
     def validate(self, where: str = "federation.secagg") -> None:
         if self.neighbours is not None and self.neighbours < 1:
@@ -50,6 +56,8 @@ class SecAggConfig:
             raise ConfigError(f"{where}.frac_bits: must be in [0, 48], got {self.frac_bits}")
         if not self.clip > 0:
             raise ConfigError(f"{where}.clip: must be > 0, got {self.clip}")
+        if isinstance(self.cohorts, bool) or not isinstance(self.cohorts, int) or self.cohorts < 1:
+            raise ConfigError(f"{where}.cohorts: must be an integer >= 1, got {self.cohorts!r}")
 
     def group(self, sampled: int) -> int:
         """The size of a client's share group (itself + its neighbours) in a round of `sampled` clients."""
@@ -59,32 +67,53 @@ class SecAggConfig:
         """The Shamir threshold for a round of `sampled` clients."""
         return self.threshold if self.threshold is not None else (self.group(sampled) + self.colluders) // 2 + 1
 
-    def check_round_size(self, sampled: int, where: str = "federation") -> None:
-        """The cross-field checks that need the round's sample size (federation.per_round or clients)."""
+    def round_size_problem(self, sampled: int, where: str = "federation") -> str | None:
+        """Why one secure sum over `sampled` clients cannot run with these settings (None: it can)."""
         g = self.group(sampled)
         if sampled < 3:
-            raise ConfigError(f"{where}.secure_aggregation needs at least 3 clients per round (with 2, each learns "
-                              f"the other's update from the sum), got {sampled}; raise federation.per_round / clients")
+            return (f"{where}.secure_aggregation needs at least 3 clients per secure sum (with 2, each learns the "
+                    f"other's update from the sum), got {sampled}; raise federation.per_round / clients")
         if self.neighbours is not None and self.neighbours % 2:
-            raise ConfigError(f"{where}.secagg.neighbours: the ring gives each client the same number of "
-                              f"neighbours on each side, so it must be even, got {self.neighbours}")
+            return (f"{where}.secagg.neighbours: the ring gives each client the same number of neighbours on each "
+                    f"side, so it must be even, got {self.neighbours}")
         t, c = self.t(sampled), self.colluders
         if c >= g:
-            raise ConfigError(f"{where}.secagg.colluders: {c} colluders in a share group of {g} (the client and its "
-                              "neighbours) leave no honest member to keep a secret; lower secagg.colluders or raise "
-                              "secagg.neighbours / federation.per_round")
+            return (f"{where}.secagg.colluders: {c} colluders in a share group of {g} (the client and its "
+                    "neighbours) leave no honest member to keep a secret; lower secagg.colluders or raise "
+                    "secagg.neighbours / federation.per_round")
         if t > g:
-            raise ConfigError(f"{where}.secagg.threshold: at most the share group's size ({g} = the client and its "
-                              f"neighbours), got {t}")
+            return (f"{where}.secagg.threshold: at most the share group's size ({g} = the client and its "
+                    f"neighbours), got {t}")
         if not 2 * t > g + c:
-            raise ConfigError(f"{where}.secagg.threshold: must be more than (g + colluders) / 2 = ({g} + {c}) / 2, "
-                              f"got {t}; with a smaller threshold a server that lies about who dropped out, helped by "
-                              f"{c} colluding client(s), can rebuild both of a client's secrets (raise the threshold, "
-                              "or set secagg.colluders lower if you trust more of the clients)")
+            return (f"{where}.secagg.threshold: must be more than (g + colluders) / 2 = ({g} + {c}) / 2, got {t}; "
+                    f"with a smaller threshold a server that lies about who dropped out, helped by {c} colluding "
+                    "client(s), can rebuild both of a client's secrets (raise the threshold, or set "
+                    "secagg.colluders lower if you trust more of the clients)")
         top = self.clip * 2.0 ** self.frac_bits * sampled
         if top >= 2.0 ** 62:
-            raise ConfigError(f"{where}.secagg: clip * 2^frac_bits * clients per round = {top:.3g} must stay below "
-                              "2^62 (the sum would wrap around); lower secagg.clip or secagg.frac_bits")
+            return (f"{where}.secagg: clip * 2^frac_bits * clients per round = {top:.3g} must stay below 2^62 (the "
+                    "sum would wrap around); lower secagg.clip or secagg.frac_bits")
+        return None
+
+    def check_round_size(self, sampled: int, where: str = "federation") -> None:
+        """The cross-field checks that need the round's sample size (federation.per_round or clients): the
+        smallest cohort (sampled // cohorts) must be a valid secure sum."""
+        why = self.round_size_problem(sampled, where)
+        if why is None and self.cohorts > 1:
+            why = self.round_size_problem(sampled // self.cohorts, where)
+            if why is not None:
+                why = (f"{where}.secagg.cohorts: {self.cohorts} cohorts of a {sampled}-client round leave cohorts "
+                       f"of {sampled // self.cohorts}: {why}; or lower secagg.cohorts")
+        if why is not None:
+            raise ConfigError(why)
+
+    def cohort_count(self, sampled: int) -> int:
+        """How many cohorts a round of `sampled` clients is cut into: `cohorts`, or fewer where the sample has
+        shrunk (exclusions) so far that its smallest cohort could not run (at least 1)."""
+        for k in range(min(self.cohorts, sampled), 1, -1):
+            if self.round_size_problem(sampled // k) is None:
+                return k
+        return 1
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class InFlight:
     changed: tuple[str, ...] = ()  # clients whose server copy this round rewrote
     records: tuple[dict, ...] = ()  # server, takd and round records, in order
     personalized: dict = field(default_factory=dict)  # client -> messenger (evaluation rounds)
-    secure: Any = None  # federation.secure.SecureRound of a secure-aggregation round
+    secure: Any = None  # federation.secure.SecureRound per cohort (a tuple) of a secure-aggregation round
     secure_rejected: dict = field(default_factory=dict)  # what its earlier phases refused, with why
     bytes_up: dict = field(default_factory=dict)  # component -> bytes of the secure phases' replies
     up_len: dict = field(default_factory=dict)  # client -> bytes of its secure phases' replies

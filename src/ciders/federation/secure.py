@@ -117,6 +117,62 @@ def start(cfg: ExperimentConfig, t: int, sampled: tuple[str, ...], sizes: dict[s
     return SecureRound(p, {c: (1 if uniform else int(sizes[c])) for c in sampled})
 
 
+def start_cohorts(cfg: ExperimentConfig, t: int, sampled: tuple[str, ...], sizes: dict[str, int]
+                  ) -> tuple[SecureRound, ...]:
+    """The round's sample cut into `federation.secagg.cohorts` disjoint secure sums: consecutive runs of the
+    sampling order, sizes within one of each other (fewer cohorts if the sample has shrunk below what they
+    need). Each cohort is a whole protocol run of its own (`start`); its members see only one another."""
+    k, n = cfg.federation.secagg.cohort_count(len(sampled)), len(sampled)
+    cuts = [n * j // k for j in range(k + 1)]
+    return tuple(start(cfg, t, tuple(sampled[a:b]), sizes) for a, b in zip(cuts, cuts[1:]))
+
+
+def route(parts: tuple[SecureRound, ...], replies: list[Reply]) -> list[list[Reply]]:
+    """The replies of each cohort's members; a reply from no member goes to the first cohort, which rejects it."""
+    where = {c: i for i, sr in enumerate(parts) for c in sr.params.members}
+    out: list[list[Reply]] = [[] for _ in parts]
+    for r in replies:
+        out[where.get(r.client_id, 0)].append(r)
+    return out
+
+
+@dataclass(frozen=True)
+class Sum:
+    """A round's secure sums put together: the unmasked cohorts' sums added (None: no cohort unmasked), the
+    clients they hold, why the round has no sum (every cohort failed) and the cohorts that failed."""
+
+    delta: dict | None
+    dc: dict | None
+    why: str | None
+    included: list[str]
+    weight: int
+    accused: list[str]  # masked, but left out of its cohort's sum on a peer's complaint
+    failed: list[dict]  # {"clients": members, "why": ...} of each cohort whose sum failed while others did not
+    rejected: dict
+    cheats: dict
+
+
+def absorb_unmask_all(parts: tuple[SecureRound, ...], replies: list[Reply], ref: dict, scaffold: bool) -> Sum:
+    """`absorb_unmask` per cohort, and the sum over the cohorts whose sums unmasked (n_i Delta_i and the
+    weights n_i add across cohorts as within one, so Eq. 12's mean is unchanged). A cohort whose sum fails
+    costs its own clients' updates; the round has no sum only when every cohort failed."""
+    got = [absorb_unmask(sr, rs, ref, scaffold) for sr, rs in zip(parts, route(parts, replies))]
+    rejected = {k: v for g in got for k, v in g[3].items()}
+    cheats = {k: v for g in got for k, v in g[4].items()}
+    ok = [i for i, g in enumerate(got) if g[2] is None]
+    live = [live_sets(sr)[0] for sr in parts]
+    accused = sorted(c for sr, a in zip(parts, live) for c in sr.masked if c not in a)
+    if not ok:
+        why = got[0][2] if len(got) == 1 else "; ".join(f"cohort {i}: {g[2]}" for i, g in enumerate(got))
+        return Sum(None, None, why, [c for a in live for c in a], 0, accused, [], rejected, cheats)
+    delta = {k: sum(got[i][0][k] for i in ok) for k in got[ok[0]][0]}
+    dc = {k: sum(got[i][1][k] for i in ok) for k in got[ok[0]][1]} if scaffold else None
+    included = [c for i in ok for c in live[i]]
+    failed = [{"clients": list(parts[i].params.members), "why": g[2]} for i, g in enumerate(got) if i not in ok]
+    weight = sum(parts[i].weights[c] for i in ok for c in live[i])
+    return Sum(delta, dc, None, included, weight, accused, failed, rejected, cheats)
+
+
 def own_weight(cfg: ExperimentConfig, size: int) -> int:
     """The weight n_i a client accepts: 1 under uniform weighting, else its own training-set size."""
     return 1 if cfg.algorithm.weighting == "uniform" else int(size)

@@ -42,11 +42,12 @@ class SecureCoordinator(Coordinator):
     def messages(self, phase: str, t: int) -> dict[str, bytes]:
         rnd = self.round
         if phase == "secagg_keys":
-            rnd = replace(rnd, secure=secure.start(self.cfg, t, rnd.sampled, self.sizes))
-        sr = rnd.secure
+            rnd = replace(rnd, secure=secure.start_cohorts(self.cfg, t, rnd.sampled, self.sizes))
+        parts = rnd.secure  # one SecureRound per cohort (disjoint members)
         if phase in _DOWN:
-            out = {"secagg_keys": secure.keys_messages, "secagg_shares": secure.shares_messages,
-                   "secagg_unmask": secure.unmask_messages}[phase](sr) if sr.failed is None else {}
+            fn = {"secagg_keys": secure.keys_messages, "secagg_shares": secure.shares_messages,
+                  "secagg_unmask": secure.unmask_messages}[phase]
+            out = {c: m for sr in parts if sr.failed is None for c, m in fn(sr).items()}
             total, lens = dict(rnd.bytes_down), dict(rnd.down_len)
             for cid, m in out.items():
                 _count(total, {_DOWN[phase]: len(m)})
@@ -56,7 +57,7 @@ class SecureCoordinator(Coordinator):
         if phase != "train":
             raise ValueError(f"secure CIDERS has no phase {phase!r}")
         out, total, lens = {}, dict(rnd.bytes_down), dict(rnd.down_len)
-        for cid in (sr.u2 if sr.failed is None else ()):
+        for sr, cid in ((sr, c) for sr in parts if sr.failed is None for c in sr.u2):
             inner, _, counted = broadcast_message(self.cfg.algorithm, self.state, load_version(self.server_store, cid),
                                                   cid, rnd.down_extra, self.static, secure=True,
                                                   adapter_dtype=self.cfg.federation.adapter_dtype)
@@ -75,43 +76,55 @@ class SecureCoordinator(Coordinator):
                 _count(up, {_UP[phase]: len(r.payload)})
                 ups[r.client_id] = ups.get(r.client_id, 0) + len(r.payload)
         rnd = self.round = replace(rnd, bytes_up=up, up_len=ups)
-        sr, acfg = rnd.secure, self.cfg.algorithm
+        parts, acfg = rnd.secure, self.cfg.algorithm
         scaffold = acfg.consensus_update == "scaffold"
         if phase in ("secagg_keys", "secagg_shares"):
-            sr, rej = (secure.absorb_keys if phase == "secagg_keys" else secure.absorb_shares)(sr, replies)
+            fn = secure.absorb_keys if phase == "secagg_keys" else secure.absorb_shares
+            got = [fn(sr, rs) for sr, rs in zip(parts, secure.route(parts, replies))]
+            rej = {k: v for _, r in got for k, v in r.items()}
             self._note(t, phase, rej)
-            self.round = replace(self.round, secure=sr, secure_rejected={**rnd.secure_rejected, **rej})
+            self.round = replace(self.round, secure=tuple(sr for sr, _ in got),
+                                 secure_rejected={**rnd.secure_rejected, **rej})
             return
         if phase == "train":
             with timing.phase("aggregation"):
-                sr, rej, recs, _ = secure.absorb_masked(sr, replies, self.ref, scaffold)
+                got = [secure.absorb_masked(sr, rs, self.ref, scaffold)
+                       for sr, rs in zip(parts, secure.route(parts, replies))]
+            rej = {k: v for g in got for k, v in g[1].items()}
+            recs = {k: v for g in got for k, v in g[2].items()}
             self._note(t, phase, rej)
-            missing = sorted(set(sr.u2) - {r.client_id for r in replies if r.kind == "reply"})
+            missing = sorted({c for g in got for c in g[0].u2} - {r.client_id for r in replies if r.kind == "reply"})
             if missing and self.clients_store is None:
                 self.log(f"round {t}: no reply from {', '.join(missing)} within the round")
             # a client that failed its train message gets its first-contact components again (as in the plain round)
             failed = {r.client_id for r in replies if r.error is not None}
-            self.round = replace(self.round, secure=sr, secure_rejected={**rnd.secure_rejected, **rej},
+            self.round = replace(self.round, secure=tuple(g[0] for g in got),
+                                 secure_rejected={**rnd.secure_rejected, **rej},
                                  secure_records=recs,  # written with the unmask phase's byte counts
                                  next=replace(rnd.next, contacted=rnd.next.contacted - failed))
             return
         if phase != "secagg_unmask":
             raise ValueError(f"secure CIDERS has no phase {phase!r}")
         with timing.phase("aggregation"):
-            delta_sum, dc_sum, why, rej, cheats = secure.absorb_unmask(sr, replies, self.ref, scaffold)
-        self._note(t, phase, rej)
-        included = secure.live_sets(sr)[0]
+            got = secure.absorb_unmask_all(parts, replies, self.ref, scaffold)
+        self._note(t, phase, got.rejected)
+        included, why, rej = got.included, got.why, got.rejected
         copies = {c: load_version(self.server_store, c) for c in included}
         with timing.phase("aggregation"):
             server, new_copies, sm = alg.secure_server_update(
-                acfg, rnd.next.server, delta_sum, sum(sr.weights[c] for c in included), included, copies,
-                len(self.sizes), dc_sum, self.cfg.federation.max_step_ratio, dp.server_privacy(self.cfg, t), why)
+                acfg, rnd.next.server, got.delta, got.weight, included, copies,
+                len(self.sizes), got.dc, self.cfg.federation.max_step_ratio, dp.server_privacy(self.cfg, t), why)
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
                 self.server_store.put(cid, t, *alg.copy_record(cp))
         rejected = {**rnd.secure_rejected, **rej, **sm["rejected"]}
         sm["rejected"] = rejected
-        self._exclude(t, cheats, sm, sorted(set(sr.masked) - set(included)))
+        self._exclude(t, got.cheats, sm, got.accused)
+        if got.failed:
+            sm["failed_cohorts"] = got.failed
+            for f in got.failed:
+                self.log(f"round {t}: the secure sum of the cohort {', '.join(f['clients'])} failed ({f['why']}); "
+                         "the round goes on with the other cohorts' sums")
         if why is not None:
             self.log(f"round {t}: no secure sum ({why}); the state stays as it was")
         recs = rnd.secure_records
