@@ -4,8 +4,10 @@
 What changes against the plain round: the train phase is wrapped by three protocol phases, the server
 never decodes a client's dc_i or Delta_i (it unmasks only the sum of n_i Delta_i over the clients whose
 masked upload arrived, U3), keeps no copy of any c_i (only its version: `alg.secure_server_update`), and
-does not ask for personalized messengers (no "report" phase: they stay on the clients). TAKD, evaluation,
-logging and the checkpoint are the plain round's.
+does not ask for personalized messengers (no "report" phase: they stay on the clients). With
+`federation.secagg.cohorts: k > 1` each phase runs once per cohort (`secure.start_cohorts`: disjoint runs of
+the sample, each a whole protocol run) and the unmask phase adds the sums of the cohorts that unmasked
+(`secure.absorb_unmask_all`). TAKD, evaluation, logging and the checkpoint are the plain round's.
 """
 
 from __future__ import annotations
