@@ -129,8 +129,8 @@ cpu-protocol-h-ablations: $(STAMP)
 cpu-protocol-r: $(STAMP)
 	$(BIN)/ciders compare configs/cpu/protocol_r.yaml --algorithms ciders-fo,ciders-fd,fedavg,fedprox,scaffold,fedbiot \
 		--seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 6 --out runs/cpu-protocol-r
-	$(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.consensus_space=paper \
-		--algorithms ciders-fo,ciders-fd --seeds 0,1,2 --tune algorithm.lr=3e-4,1e-3,3e-3 --tune-rounds 6 \
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.consensus_space=paper \
+		--algorithms ciders-fo,ciders-fd --control none --seeds 0,1,2 --tune algorithm.lr=1e-3,3e-3,1e-2 --tune-rounds 6 \
 		--out runs/cpu-protocol-r-paper
 	$(BIN)/ciders report runs/cpu-protocol-r
 
