@@ -107,9 +107,15 @@ class SecureCoordinator(Coordinator):
             return
         if phase != "secagg_unmask":
             raise ValueError(f"secure CIDERS has no phase {phase!r}")
+        self._absorb_unmask(t, replies, mark)
+
+    def _absorb_unmask(self, t: int, replies: list[Reply], mark: Callable[[str], None]) -> None:
+        """The last phase: the cohorts' sums unmasked and added, the server update (Eq. 12 on the sum), the
+        exclusions the round proved, the client records, then the plain round's TAKD, evaluation and commit."""
+        rnd, acfg = self.round, self.cfg.algorithm
         with timing.phase("aggregation"):
-            got = secure.absorb_unmask_all(parts, replies, self.ref, scaffold)
-        self._note(t, phase, got.rejected)
+            got = secure.absorb_unmask_all(rnd.secure, replies, self.ref, acfg.consensus_update == "scaffold")
+        self._note(t, "secagg_unmask", got.rejected)
         included, why, rej = got.included, got.why, got.rejected
         copies = {c: load_version(self.server_store, c) for c in included}
         with timing.phase("aggregation"):
