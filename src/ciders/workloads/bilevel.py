@@ -279,6 +279,13 @@ def tuning_split(pool: dict, alphabets: tuple[str, ...], n_way: int) -> tuple[di
     return {k: v for k, v in pool.items() if k not in tune}, tune
 
 
+def head_reg(t) -> float:
+    """The few-shot inner loss's L2 weight on y: task.reg, times reg_way / n_way when task.reg_way > 0. The support
+    CE is a mean over N k examples, so its gradient on class c's row of y is O(1/N) while (reg/2)|y|^2's is reg y_c:
+    with a fixed reg, the head is shrunk N/5 times harder at N-way than at 5-way."""
+    return t.reg * t.reg_way / t.n_way if t.reg_way else t.reg
+
+
 def build(cfg):
     """The task of a BilevelExperiment config, from the real data files."""
     from pathlib import Path
@@ -299,7 +306,7 @@ def build(cfg):
         held = om.load_characters(root / "images_background_small2.zip")
         held = {k: v for k, v in held.items() if k.split("/")[0] not in seen}
         pool = om.rotations(pool, t.rotations)  # training classes only: evaluation stays on unrotated characters
-        return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, t.reg, cfg.seed, eval_pool=held,
+        return FewShotTask(pool, caps, t.n_way, t.k_shot, t.q_query, t.width, head_reg(t), cfg.seed, eval_pool=held,
                            eval_episodes=t.eval_episodes, eval_steps=t.eval_steps, backbone=t.backbone,
                            shard_size=t.shard_size, device=dev,
                            official_runs=om.one_shot_runs(root / "all_runs.zip") if (root / "all_runs.zip").is_file() else None,
