@@ -159,7 +159,8 @@ cpu-rabo-head: $(STAMP)
 		--set rabo.inner_steps=20 --set rabo.beta=0.5 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global-t20
 
 # Table II's four main methods at 30 rounds instead of 10 (docs/rabo.md#30-rounds), 20-way 5-shot, 20-way 1-shot and 5-way 1-shot,
-# shipped step sizes, 3 seeds; single-threaded, as measured (about 6 minutes a method and setting)
+# shipped step sizes, 3 seeds; then Static and Dist-ProtoNet at one local step a round (matched outer steps,
+# docs/rabo.md#matched-steps-and-matched-compute); single-threaded, as measured (about 6 minutes a method and setting)
 cpu-rabo-30: $(STAMP)
 	for P in rabo fedmbo static dist-protonet; do \
 	  OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods $$P --set task.n_way=20 --set task.k_shot=5 \
@@ -168,6 +169,14 @@ cpu-rabo-30: $(STAMP)
 	    --set federation.rounds=30 --seeds 0,1,2 --last-rounds 2 --out runs/rabo30-20w1s-$$P || exit 1; \
 	  OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods $$P --set task.n_way=5 --set task.k_shot=1 \
 	    --set federation.rounds=30 --seeds 0,1,2 --last-rounds 2 --out runs/rabo30-5w1s-$$P || exit 1; \
+	done
+	for P in static dist-protonet; do \
+	  OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods $$P --set task.n_way=20 --set task.k_shot=5 \
+	    --set federation.rounds=30 --set fedmeta.local_steps=1 --seeds 0,1,2 --last-rounds 2 --out runs/rabo30-steps1-20w5s-$$P || exit 1; \
+	  OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods $$P --set task.n_way=5 --set task.k_shot=1 \
+	    --set federation.rounds=30 --set fedmeta.local_steps=1 --seeds 0,1,2 --last-rounds 2 --out runs/rabo30-steps1-5w1s-$$P || exit 1; \
+	  OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods $$P --set task.n_way=20 --set task.k_shot=1 \
+	    --set federation.rounds=30 --set fedmeta.local_steps=1 --seeds 0,1,2 --last-rounds 2 --out runs/rabo30-steps1-20w1s-$$P || exit 1; \
 	done
 
 # RAFBO's coordinate-wise estimator against its directional one in loss tuning (docs/rabo.md#coordinate-wise-jacobian-estimator):
