@@ -109,20 +109,21 @@ cpu-lambda-task: $(STAMP)
 	    --seeds 0,1,2 --metrics nll,personalized_ppl,agreement --out runs/cpu-lambda-task/$$P-both || exit 1; \
 	done
 
-# The ablations that explain Protocol H (docs/results-cpu.md): FedProx under Protocol H's TAKD (task CE at weight 1
-# in pre-alignment and rounds: FedBiOT plus the task CE); every method with the task CE off (both weights 0); no
-# client learning inside the real loop (FedBiOT's and CIDERS's own TAKD); CIDERS with the paper's tau / alpha_c at
-# per-round weights 0, 0.3 and 1 (no CE in pre-alignment); 3 seeds each, the takd-only control beside each
+# The ablations that explain Protocol H (docs/results-cpu.md#protocol-h-ablations): FedProx under Protocol H's TAKD
+# (task CE at weight 1 in pre-alignment and rounds: FedBiOT plus the task CE); CIDERS-FO, FedAvg, SCAFFOLD with the
+# task CE off (both weights 0; FedBiOT's run equals the first command's: its TAKD never has the CE); no client learning
+# inside the real loop (FedBiOT's and CIDERS's own TAKD); CIDERS with the paper's tau / alpha_c at per-round weights
+# 0 and 1 (no CE in pre-alignment). 3 seeds each, single-threaded, as measured (about 8 core-hours in all)
 cpu-protocol-h-ablations: $(STAMP)
-	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --algorithms fedprox,fedbiot --seeds 0,1,2 \
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --algorithms fedprox,fedbiot --seeds 0,1,2 \
 		--out runs/cpu-protocol-h-ablation-fedprox
-	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --set takd.lambda_task=0 --set takd.lambda_task_bootstrap=0 \
-		--algorithms ciders-fo,ciders-fd,fedavg,scaffold,fedbiot --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-lambda0
-	$(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.client_learning=false \
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --set takd.lambda_task=0 --set takd.lambda_task_bootstrap=0 \
+		--algorithms ciders-fo,fedavg,scaffold,fedbiot --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-lambda0
+	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.client_learning=false \
 		--algorithms fedbiot,ciders-fo --control none --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-no-learning
-	$(BIN)/ciders sweep configs/cpu/protocol_h.yaml --set algorithm.tau=0.02 --set algorithm.alpha=0.002 \
-		--set takd.lambda_task_bootstrap=0 --grid takd.lambda_task=0,0.3,1 --algorithms ciders-fo --seeds 0,1,2 \
-		--metrics nll,personalized_ppl,agreement --out runs/cpu-protocol-h-ablation-paper-server
+	OMP_NUM_THREADS=1 $(BIN)/ciders sweep configs/cpu/protocol_h.yaml --set algorithm.tau=0.02 --set algorithm.alpha=0.002 \
+		--set takd.lambda_task_bootstrap=0 --grid takd.lambda_task=0,1 --algorithms ciders-fo --seeds 0,1,2 \
+		--metrics nll,personalized_ppl,agreement --control none --out runs/cpu-protocol-h-ablation-paper-server
 
 # Protocol R of docs/results-cpu.md: only the client rule differs (shared plateau pre-alignment, the same TAKD for
 # every method, the paper's server settings, tuned client learning rates, the takd-only control), 3 seeds
