@@ -149,7 +149,8 @@ cpu-protocol-r-client-rule: $(STAMP)
 		--control none --seeds 0,1,2 --out runs/cpu-protocol-r-tau002
 
 # RABO with one head per episode against the global head (docs/rabo.md#one-head-per-episode): 20-way 5-shot, 3 seeds,
-# outer step 0.05 and 0.25; single-threaded, as measured
+# outer step 0.05 and 0.25; then the head's L2 weight scaled with N (task.reg_way 5 against the pinned 0,
+# docs/rabo.md#the-heads-l2-weight-and-n), also over 30 rounds; single-threaded, as measured
 cpu-rabo-head: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
 		--grid rabo.alpha=0.05,0.25 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global
@@ -158,6 +159,17 @@ cpu-rabo-head: $(STAMP)
 		--seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-episode
 	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
 		--set rabo.inner_steps=20 --set rabo.beta=0.5 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global-t20
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
+		--set task.reg_way=5 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global-regway
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=1 \
+		--seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global-20w1s
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=1 \
+		--set task.reg_way=5 --seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-global-regway-20w1s
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
+		--set task.reg_way=5 --set rabo.head=episode --set rabo.inner_steps=20 --set rabo.beta=0.5 --set rabo.alpha=0.25 \
+		--seeds 0,1,2 --last-rounds 2 --out runs/rabo-head-episode-regway
+	OMP_NUM_THREADS=1 $(BIN)/ciders bilevel configs/cpu/rabo_table2.yaml --methods rabo --set task.n_way=20 --set task.k_shot=5 \
+		--set task.reg_way=5 --set federation.rounds=30 --seeds 0,1,2 --last-rounds 2 --out runs/rabo30-regway-20w5s-rabo
 
 # Table II's four main methods at 30 rounds instead of 10 (docs/rabo.md#30-rounds), 20-way 5-shot, 20-way 1-shot and 5-way 1-shot,
 # shipped step sizes, 3 seeds; then Static and Dist-ProtoNet at one local step a round (matched outer steps,

@@ -42,5 +42,11 @@ def test_the_inner_loss_carries_the_scaled_weight():
 def test_refusals_name_the_key():
     with pytest.raises(ConfigError, match="task.reg_way: an integer >= 0"):
         BilevelTaskConfig(reg_way=-1).validate()
-    with pytest.raises(ConfigError, match="task.reg_way: .*loss tuning"):
-        BilevelTaskConfig(kind="losstune", reg_way=5).validate()
+    with pytest.raises(ConfigError, match="task.reg_way: an integer >= 0"):
+        BilevelTaskConfig(reg_way=2.5).validate()
+
+
+def test_five_way_is_unchanged_by_the_default():
+    """The default (5) leaves every 5-way run exactly as it was before the key existed."""
+    assert BilevelTaskConfig().reg_way == 5
+    assert head_reg(BilevelTaskConfig(n_way=5, reg=0.05)) == 0.05

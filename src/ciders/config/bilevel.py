@@ -37,9 +37,11 @@ class BilevelTaskConfig:
     width: int = opt(32, "fewshot: Conv4 channels (ResNet12: the first block's); losstune: hidden units of the "
                          "classifier")
     reg: float = opt(0.05, "L2 weight on y in the inner loss (strong convexity)")
-    reg_way: int = opt(0, "fewshot: 0 = task.reg at every N; k > 0 = task.reg * k / n_way, so the L2 term keeps its "
+    reg_way: int = opt(5, "fewshot: 0 = task.reg at every N; k > 0 = task.reg * k / n_way, so the L2 term keeps its "
                           "weight against the support cross-entropy, whose gradient on each class's row of y "
-                          "shrinks as 1/N (docs/rabo.md#one-head-per-episode); e.g. 5: the shipped reg at 5-way")
+                          "shrinks as 1/N (docs/rabo.md#the-heads-l2-weight-and-n); 5, the default: the given reg "
+                          "at 5-way. Chosen by measurement: +7.0 and +4.6 points for RABO at 20-way. Loss tuning "
+                          "has no N and ignores it")
     shard_size: int = opt(0, "fewshot: characters per client; 0 = disjoint equal shards, k > 0 = each client draws k "
                              "(may overlap; needed when clients x n_way exceeds the character pool)")
     rotations: int = opt(1, "fewshot: each training character at this many rotations by 90 degrees, each a class "
@@ -73,9 +75,6 @@ class BilevelTaskConfig:
             raise ConfigError(f"task.shard_size: must be >= 0, got {self.shard_size}")
         if not isinstance(self.reg_way, int) or isinstance(self.reg_way, bool) or self.reg_way < 0:
             raise ConfigError(f"task.reg_way: an integer >= 0 (0 = no scaling), got {self.reg_way!r}")
-        if self.reg_way and self.kind != "fewshot":
-            raise ConfigError("task.reg_way: scales the few-shot head's L2 term with n_way; loss tuning has no "
-                              "n_way (set it to 0)")
         if self.rotations not in (1, 2, 3, 4):
             raise ConfigError(f"task.rotations: must be 1, 2, 3 or 4 (multiples of 90 degrees), got {self.rotations}")
         if self.k_shot + self.q_query > 20:

@@ -282,7 +282,7 @@ def tuning_split(pool: dict, alphabets: tuple[str, ...], n_way: int) -> tuple[di
 def head_reg(t) -> float:
     """The few-shot inner loss's L2 weight on y: task.reg, times reg_way / n_way when task.reg_way > 0. The support
     CE is a mean over N k examples, so its gradient on class c's row of y is O(1/N) while (reg/2)|y|^2's is reg y_c:
-    with a fixed reg, the head is shrunk N/5 times harder at N-way than at 5-way."""
+    with a fixed reg, the head is held N/5 times harder at N-way than at 5-way. Loss tuning does not call this."""
     return t.reg * t.reg_way / t.n_way if t.reg_way else t.reg
 
 
