@@ -114,7 +114,8 @@ cpu-lambda-task: $(STAMP)
 # task CE off (both weights 0; FedBiOT's run equals the first command's: its TAKD never has the CE); no client
 # learning inside the real loop with FedBiOT's and CIDERS's own TAKD, at seed 0 (it equals the takd-only control
 # rows of the first two commands, which are the same runs by construction); CIDERS with the paper's tau / alpha_c
-# and FedBiOT's task weight (0). 3 seeds each, single-threaded, as measured (about 5 core-hours in all)
+# at per-round task weights 0 (FedBiOT's) and 1 (Protocol H's), none in pre-alignment. 3 seeds each,
+# single-threaded, as measured (about 5 core-hours in all)
 cpu-protocol-h-ablations: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --algorithms fedprox,fedbiot --seeds 0,1,2 \
 		--out runs/cpu-protocol-h-ablation-fedprox
@@ -123,7 +124,7 @@ cpu-protocol-h-ablations: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.client_learning=false \
 		--algorithms fedbiot,ciders-fo --control none --seeds 0 --out runs/cpu-protocol-h-ablation-no-learning
 	OMP_NUM_THREADS=1 $(BIN)/ciders sweep configs/cpu/protocol_h.yaml --set algorithm.tau=0.02 --set algorithm.alpha=0.002 \
-		--set takd.lambda_task_bootstrap=0 --grid takd.lambda_task=0 --algorithms ciders-fo --seeds 0,1,2 \
+		--set takd.lambda_task_bootstrap=0 --grid takd.lambda_task=0,1 --algorithms ciders-fo --seeds 0,1,2 \
 		--metrics nll,personalized_ppl,agreement --control none --out runs/cpu-protocol-h-ablation-paper-server
 
 # Protocol R of docs/results-cpu.md: only the client rule differs (shared plateau pre-alignment, the same TAKD for
