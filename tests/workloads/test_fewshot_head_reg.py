@@ -1,5 +1,5 @@
 """task.reg_way: the few-shot head's L2 weight scaled by reg_way / n_way, so the (reg/2)|y|^2 term keeps its weight
-against the support cross-entropy at every N (docs/rabo.md#one-head-per-episode). On the vendored Omniglot slice."""
+against the support cross-entropy at every N (docs/rabo.md#the-heads-l2-weight-and-n). On the vendored Omniglot slice."""
 
 import math
 
