@@ -110,7 +110,7 @@ cpu-lambda-task: $(STAMP)
 	done
 
 # The ablations that explain Protocol H (docs/results-cpu.md#protocol-h-ablations): FedProx under Protocol H's TAKD
-# (task CE at weight 1 in pre-alignment and rounds: FedBiOT plus the task CE); CIDERS-FO, FedAvg, SCAFFOLD with the
+# (task CE at weight 1 in pre-alignment and rounds: FedBiOT plus the task CE); every other method with the
 # task CE off (both weights 0; FedBiOT's run equals the first command's: its TAKD never has the CE); no client
 # learning inside the real loop with FedBiOT's and CIDERS's own TAKD, at seed 0 (it equals the takd-only control
 # rows of the first two commands, which are the same runs by construction); CIDERS with the paper's tau / alpha_c
@@ -120,7 +120,7 @@ cpu-protocol-h-ablations: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --algorithms fedprox,fedbiot --seeds 0,1,2 \
 		--out runs/cpu-protocol-h-ablation-fedprox
 	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --set takd.lambda_task=0 --set takd.lambda_task_bootstrap=0 \
-		--algorithms ciders-fo,fedavg,scaffold,fedbiot --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-lambda0
+		--algorithms ciders-fo,ciders-fd,fedavg,scaffold,fedbiot,fedot --seeds 0,1,2 --out runs/cpu-protocol-h-ablation-lambda0
 	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_h.yaml --set algorithm.client_learning=false \
 		--algorithms fedbiot,ciders-fo --control none --seeds 0 --out runs/cpu-protocol-h-ablation-no-learning
 	OMP_NUM_THREADS=1 $(BIN)/ciders sweep configs/cpu/protocol_h.yaml --set algorithm.tau=0.02 --set algorithm.alpha=0.002 \
