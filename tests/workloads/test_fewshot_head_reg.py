@@ -50,3 +50,15 @@ def test_five_way_is_unchanged_by_the_default():
     """The default (5) leaves every 5-way run exactly as it was before the key existed."""
     assert BilevelTaskConfig().reg_way == 5
     assert head_reg(BilevelTaskConfig(n_way=5, reg=0.05)) == 0.05
+
+
+def test_the_table_config_pins_the_weight_its_tables_were_measured_with(monkeypatch):
+    """configs/cpu/rabo_table2.yaml's Table II, 30-round and matched-steps tables were measured with reg_way 0; without
+    the pin its commands would run at the new default and no longer reproduce them."""
+    from conftest import ROOT
+
+    from ciders.config import load_experiment
+
+    monkeypatch.setenv("CIDERS_DATA", str(ROOT / "data"))
+    cfg = load_experiment(ROOT / "configs/cpu/rabo_table2.yaml", ["task.n_way=20"])
+    assert cfg.task.reg_way == 0 and head_reg(cfg.task) == cfg.task.reg
