@@ -138,8 +138,8 @@ cpu-protocol-r: $(STAMP)
 	$(BIN)/ciders report runs/cpu-protocol-r
 
 # Protocol R with only the client rule between the methods (docs/results-cpu.md, "the client rule alone"): CIDERS-FO at
-# tau = 1 with gamma 0.01 and 0 against FedAvg (rates tuned on a grid around the earlier 3e-3, 3e-2 added to check the bracket), and CIDERS-FO at the
-# paper's tau 0.02 at its earlier tuned rate; 3 seeds. Single-threaded: the pre-alignment's plateau stop turns
+# tau = 1 with gamma 0.01 and 0 against FedAvg (rates tuned on a grid around the earlier 3e-3, with 3e-2 added to
+# check the bracket), and CIDERS-FO at the paper's tau 0.02 at its earlier tuned rate; 3 seeds. Single-threaded: the pre-alignment's plateau stop turns
 # thread-count rounding into a different stopping step, so the figures are those of OMP_NUM_THREADS=1.
 cpu-protocol-r-client-rule: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/ciders compare configs/cpu/protocol_r.yaml --set algorithm.tau=1 --algorithms ciders-fo,fedavg \
