@@ -12,6 +12,10 @@ Under `flwr run` the run config (`--run-config`) names the experiment:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+import threading
 from pathlib import Path
 
 from flwr.app import Context
@@ -97,6 +101,50 @@ def _stoppable(grid: Grid, stop) -> Grid:
     return grid
 
 
+class _AfterStop(logging.Filter):
+    """Drops Flower's log records once `stop` is set: a terminal's Ctrl-C reaches Ray's worker processes too (one
+    process group), and Flower's simulation thread then logs each message in flight as an error with Ray's
+    traceback ("Broken pipe"), which is the interruption itself, not a fault."""
+
+    def __init__(self, stop):
+        super().__init__()
+        self.stop = stop
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.stop.is_set()
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(stop):
+    """Within: Ctrl-C sets `stop` (the ServerApp thread ends at its next exchange; the interpreter waits for it on
+    exit) and silences Flower's logger before KeyboardInterrupt unwinds the simulation. The handler runs in the main
+    thread as soon as the signal arrives, ahead of the Ray workers' deaths that Flower would report."""
+    flwr_log = logging.getLogger("flwr")
+    quiet = _AfterStop(stop)
+    flwr_log.addFilter(quiet)
+    for h in flwr_log.handlers:
+        h.addFilter(quiet)  # records of child loggers reach these handlers without the parent's filters
+
+    def interrupted(signum, frame):
+        stop.set()
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupted) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+        if not stop.is_set():  # after a stop, Flower's threads may go on logging while the interpreter exits
+            flwr_log.removeFilter(quiet)
+            for h in flwr_log.handlers:
+                h.removeFilter(quiet)
+
+
 def make_server_app(spec: dict | None = None, stop=None) -> ServerApp:
     """`stop`: a threading.Event that ends the run at its next message exchange (simulation, Ctrl-C)."""
     app = ServerApp()
@@ -116,7 +164,6 @@ def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dic
     """The run on Flower's simulation runtime (Ray), one virtual SuperNode per client; `cfg` is a CIDERS
     experiment or a bilevel one (`serve` tells them apart)."""
     import json
-    import threading
 
     from flwr.simulation import run_simulation as flwr_run_simulation
 
@@ -137,12 +184,9 @@ def run_simulation(cfg, out: str | Path, resume: bool = False, log=print) -> dic
     fc = cfg.flower
     backend = {"client_resources": {"num_cpus": fc.client_cpus, "num_gpus": fc.client_gpus}}
     stop = threading.Event()
-    try:
+    with _ctrl_c_stops(stop):
         flwr_run_simulation(make_server_app(spec, stop), make_client_app(spec), num_supernodes=cfg.federation.clients,
                             backend_config=backend)
-    except KeyboardInterrupt:
-        stop.set()  # the ServerApp thread ends at its next exchange; the interpreter waits for it on exit
-        raise
     if not summary_path.is_file():
         raise CidersError(f"the Flower simulation ended without finishing the run (no {summary_path}); "
                           "see the log above; the same command with --resume continues it")
