@@ -128,3 +128,16 @@ def test_central_dp_rejects_a_client_that_skips_clipping():
     assert m3["accepted"] == [] and "did not clip" in m3["rejected"]["sum"] and equal(s3.messenger, server.messenger)
     ok = {"x": sum(u.delta["x"] for u in ups[1:]) / 3}
     assert alg.secure_server_update(c, server, ok, 1.0, ids[1:], sec, 4, priv=priv)[2]["accepted"] == sorted(ids[1:])
+
+
+def test_a_round_whose_new_copy_of_c_i_is_not_finite_is_rejected_whole():
+    """Under the median one client's overflowing update leaves the messenger and c finite, but its copy c_i + dc_i
+    of Eq. 11 is inf: that is the round's aggregate too (the next round would reconstruct from it), so the round is
+    rejected as a whole and every copy stays."""
+    c, server, copies, states, ids, ups = first_round(dtype=torch.float32, aggregator="median", alpha=1.0, gamma=1.0)
+    # Eq. 11 with alpha = gamma = 1: Delta_i = dc_i + c = -2e38, finite; the copy c_i + dc_i = -4e38 overflows
+    copies = {**copies, ids[0]: replace(copies[ids[0]], c_i={"x": torch.full((6,), -2e38)})}
+    evil = replace(ups[0], dc={"x": torch.full((6,), -2e38)})
+    s2, cp2, m = alg.server_update(c, server, [evil] + ups[1:], copies, SIZES, max_step_ratio=None)
+    assert m["accepted"] == [] and m["aggregate_rejected"] == ids
+    assert equal(s2.messenger, server.messenger) and all(cp2[i] is copies[i] for i in ids)

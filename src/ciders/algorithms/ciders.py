@@ -431,16 +431,15 @@ def server_update(cfg: CidersConfig, state: ServerState, uploads: Sequence[Uploa
     p = agg.client_weights([sizes[i] for i in ids], uniform=cfg.weighting == "uniform")
     delta_bar = _aggregate(cfg, [d for _, d in accepted], p)  # sum_i p_i Delta_i, or a robust centre
     delta_bar = central_noise(delta_bar, priv, len(accepted))
-    messenger, c, opt = _apply(cfg, state, delta_bar, eta_bar, [u.dc for u, _ in accepted], len(sizes))
-    opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
-    if not agg.all_finite(messenger, c, *opt_tensors, *(new_copies[i].c_i for i in ids)):
-        why = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
+    new, why = _checked_step(cfg, state, delta_bar, eta_bar, [u.dc for u, _ in accepted], len(sizes),
+                             [new_copies[i].c_i for i in ids])
+    if new is None:
         metrics.update({"accepted": [], "rejected": {**rejected, **{i: why for i in ids}}, "aggregate_rejected": ids})
         kept = {i: copies[i] for i in ids}
         return replace(state, round=state.round + 1), {**new_copies, **kept}, {**metrics, "delta_bar_norm": 0.0,
                                                                                "c_norm": norm(state.c)}
-    metrics.update({"p": dict(zip(ids, p)), "delta_bar_norm": norm(delta_bar), "c_norm": norm(c)})
-    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt, state.ref_norm), new_copies, metrics
+    metrics.update({"p": dict(zip(ids, p)), "delta_bar_norm": norm(delta_bar), "c_norm": norm(new.c)})
+    return new, new_copies, metrics
 
 
 def _aggregate(cfg: CidersConfig, deltas: Sequence[State], p: Sequence[float]) -> State:
@@ -481,16 +480,24 @@ def central_noise(delta_bar: State, priv: Privacy, m: int) -> State:
     return dp.add_noise(delta_bar, priv.central_sigma / m, dp.noise_generator(priv.seed, "cpu"))
 
 
-def _apply(cfg: CidersConfig, state: ServerState, delta_bar: State, eta_bar: float, dcs: Sequence[State],
-           n_registered: int) -> tuple[State, State, so.ServerOptState | None]:
-    """Eq. 12 from Delta-bar: the new messenger (through the server optimizer, if any) and c (or SCAFFOLD's
-    c + (1/N) sum_i dc_i over the N registered clients)."""
+NOT_FINITE = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
+
+
+def _checked_step(cfg: CidersConfig, state: ServerState, delta_bar: State, eta_bar: float, dcs: Sequence[State],
+                  n_registered: int, also: Sequence[State] = ()) -> tuple[ServerState | None, str | None]:
+    """Eq. 12 from Delta-bar, the one checked core of both server rules (`server_update`, `secure_server_update`):
+    the new messenger (through the server optimizer, if any) and c (or SCAFFOLD's c + (1/N) sum_i dc_i over the N
+    registered clients), as the next round's state; or (None, why) when any of it, the optimizer state or the
+    states in `also` (the clients' new c_i copies) is not finite, and the round must leave the state as it was."""
     messenger, opt = _server_step(cfg, state, delta_bar, eta_bar)  # Eq. 12 (then the server optimizer, if any)
     if cfg.consensus_update == "scaffold":
         c = cs.scaffold_consensus(state.c, dcs, n_registered)
     else:
         c = cs.server_consensus(state.c, delta_bar, cfg.alpha)  # Eq. 12
-    return messenger, c, opt
+    opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
+    if not agg.all_finite(messenger, c, *opt_tensors, *also):
+        return None, NOT_FINITE
+    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt, state.ref_norm), None
 
 
 def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State | None, weight_sum: float,
@@ -522,10 +529,7 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
         why_not = agg.step_check({k: v * (cfg.local_steps * eta_bar) for k, v in delta_bar.items()}, state.ref_norm,
                                  max_step_ratio, REF)
     if why_not is None:
-        messenger, c, opt = _apply(cfg, state, delta_bar, eta_bar, [] if dc_sum is None else [dc_sum], n_registered)
-        opt_tensors = [] if opt is None or opt is state.opt else opt.tensors()
-        if not agg.all_finite(messenger, c, *opt_tensors):
-            why_not = "the round's aggregate is not finite: the round is rejected, the state stays as it was"
+        new, why_not = _checked_step(cfg, state, delta_bar, eta_bar, [] if dc_sum is None else [dc_sum], n_registered)
     if why_not is not None:
         return skip, dict(copies), {**metrics, "accepted": [], "rejected": {"sum": why_not}, "delta_bar_norm": 0.0,
                                     "c_norm": norm(state.c)}
@@ -534,8 +538,8 @@ def secure_server_update(cfg: CidersConfig, state: ServerState, delta_sum: State
         cp = copies[cid]
         new_copies[cid] = ServerCopy(cp.c_i, cp.version + 1, needs_resync=False, applied=(state.round, SECAGG_ACK))
     metrics.update({"accepted": sorted(included), "rejected": {}, "delta_bar_norm": norm(delta_bar),
-                    "c_norm": norm(c)})
-    return ServerState(state.round + 1, state.total_rounds, messenger, c, opt, state.ref_norm), new_copies, metrics
+                    "c_norm": norm(new.c)})
+    return new, new_copies, metrics
 
 
 def _server_step(cfg: CidersConfig, state: ServerState, delta_bar: State, eta_bar: float
