@@ -27,7 +27,7 @@ ALLOWED = {
                     "federation", "transports"},
     "cli": set(),  # may import anything; nothing imports it
 }
-UTIL = {"ciders", "ciders.errors", "ciders.fileio", "ciders.phases", "ciders.runtime"}
+UTIL = {"ciders", "ciders._quiet", "ciders.errors", "ciders.fileio", "ciders.phases", "ciders.runtime"}
 
 
 def layer_of(mod: str) -> str:

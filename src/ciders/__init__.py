@@ -7,6 +7,9 @@ implements it: docs/method.md (CIDERS) and docs/rabo.md#the-equations (RABO fami
 
 __version__ = "0.1.0"
 
+from ciders import _quiet  # noqa: E402
 from ciders.errors import CidersError, ConfigError  # noqa: E402
+
+_quiet.install()
 
 __all__ = ["CidersError", "ConfigError", "__version__"]

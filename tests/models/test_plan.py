@@ -49,6 +49,13 @@ def test_plan_counts_equal_the_injected_adapters(name):
     # the bfloat16 first download (federation.emulator_dtype) is what the server would send
     sent = sum(v.numel() * 2 for v in d.emulator_base_state().values()) / 2**20
     assert p.edge_base_mib_16 == pytest.approx(sent, rel=1e-12) and p.edge_base_mib == pytest.approx(2 * sent)
+    # and the int8 one (federation.emulator_quantize): the bytes models.edge_quant sends, exactly
+    from ciders.models import edge_quant
+
+    plain = {k.replace(".base_layer.", "."): v for k, v in d.emulator_base_state().items()}
+    q = edge_quant.quantize_state(d.adapemu.config.to_dict(), plain, "int8")
+    assert p.edge_base_mib_int8 == pytest.approx(sum(v.numel() * v.element_size() for v in q.values()) / 2**20,
+                                                 rel=1e-12)
 
 
 def test_cli_plan_json_and_text(capsys):

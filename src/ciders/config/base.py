@@ -439,6 +439,10 @@ class FederationConfig:
         "model", "Flower engines: dtype of the emulator's base weights in a client's first download: model = as the server holds "
         "them (lossless); bfloat16 halves an fp32 download, rounding B_L and P_M (measured in "
         "benchmarks/edge_download.py; docs/edge.md#the-first-download-in-bfloat16)")
+    emulator_quantize: Literal["none", "int8"] = opt(
+        "none", "Flower engines: int8 = the emulator's frozen base weights are sent, stored and held as int8 with a "
+        "scale per row (torchao; about a quarter of fp32's download), the client trains LoRA on top; the server's "
+        "model is unchanged (docs/edge.md#a-quantized-emulator, benchmarks/edge_quantized.py)")
     adapter_dtype: Literal["model", "bfloat16", "float16"] = opt(
         "model", "dtype of the messenger and the student LoRA in every broadcast: model = as the server holds them "
         "(lossless); bfloat16 / float16 halve an fp32 broadcast's adapters. c, a resync copy and every upload stay "
@@ -472,6 +476,10 @@ class FederationConfig:
                 raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
         if self.dirichlet_alpha <= 0:
             raise ConfigError(f"federation.dirichlet_alpha: must be > 0, got {self.dirichlet_alpha}")
+        if self.emulator_quantize != "none" and self.emulator_dtype != "model":
+            raise ConfigError(f"federation.emulator_quantize={self.emulator_quantize} sends the scales and norms in the "
+                              f"model's dtype: set federation.emulator_dtype: model (got {self.emulator_dtype}), or "
+                              "set model.dtype to the dtype you want them in")
         if self.max_step_ratio is not None and not self.max_step_ratio > 0:
             raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
         self.secagg.validate()

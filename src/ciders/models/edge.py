@@ -40,14 +40,15 @@ from ciders.runtime import derive_seed
 _LAYER = re.compile(r"^(model\.layers\.)(\d+)\.")
 
 
-def edge_spec(d: Decomposition, tok, emulator_dtype: torch.dtype | None = None) -> dict[str, bytes]:
+def edge_spec(d: Decomposition, tok, emulator_dtype: torch.dtype | None = None,
+              quantize: str = "none") -> dict[str, bytes]:
     """The files (name -> bytes) an edge client needs besides the weights, from the server's decomposition:
     AdapEmu's config.json, the tokenizer's files, ciders_edge.json (the base model, the split, the dtype the
-    emulator weights travel in)."""
+    emulator weights travel in, their quantization: `models.edge_quant`)."""
     s = d.split
     meta = {"format": 1, "model": d.model_name, "n_layers": s.n_layers, "messenger_layers": s.messenger_layers,
             "student_indices": list(s.student_indices), "dtype": _name(d.base.dtype),
-            "emulator_dtype": _name(emulator_dtype or d.base.dtype)}
+            "emulator_dtype": _name(emulator_dtype or d.base.dtype), "quantize": quantize}
     with tempfile.TemporaryDirectory() as tmp:
         d.adapemu.config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -115,35 +116,66 @@ def edge_decompose(model: nn.Module, split: Split, messenger_lora: LoraConfig | 
 
 
 def load_edge(directory: str | Path, device: torch.device, dtype: torch.dtype,
-              attn_implementation: str | None = None) -> tuple[nn.Module, bool]:
+              attn_implementation: str | None = None, quantize: str = "none") -> tuple[nn.Module, bool]:
     """AdapEmu's plain base from the edge directory: loaded memory-mapped when its weights are stored
     (True), else built from config.json with placeholder weights that the first broadcast replaces (False).
     Either way only after `edge_guard.check_config` (a PayloadError for a config over the size limit or unlike
-    the stored weights)."""
+    the stored weights). `quantize` != none: the weights are held quantized (`models.edge_quant`), placeholders
+    included, so the client never allocates the emulator in `dtype`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
     kw = {"dtype": dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {})}
     stored = (directory / WEIGHTS).is_file()
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if quantize != "none":
+        return _load_quantized(directory, config, quantize, device, stored, kw), stored
     # before anything is allocated: config.json's size against the limit and the weights stored with it
-    check_config(json.loads((directory / "config.json").read_text(encoding="utf-8")),
-                 stored_shapes(directory / WEIGHTS) if stored else None)
+    check_config(config, stored_shapes(directory / WEIGHTS) if stored else None)
     if stored:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(str(directory), output_loading_info=True, **kw)
         except Exception as exc:  # a torn or foreign file: say which, never train on it
             raise CidersError(f"cannot load the edge model in {directory}: {str(exc).splitlines()[0][:200]}") from exc
-        if info.get("missing_keys") or info.get("unexpected_keys"):
-            raise CidersError(f"{directory / WEIGHTS} does not match config.json (missing "
-                              f"{sorted(info['missing_keys'])[:3]}, unexpected {sorted(info['unexpected_keys'])[:3]})")
-        loaded = True
+        _loaded_all(directory, info)
     else:
-        config = AutoConfig.from_pretrained(str(directory))
-        model = AutoModelForCausalLM.from_config(config, **kw)
-        loaded = False
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(directory)), **kw)
     model.to(device)
     model.eval()
-    return model, loaded
+    return model, stored
+
+
+def _loaded_all(directory: Path, info: dict) -> None:
+    if info.get("missing_keys") or info.get("unexpected_keys"):
+        raise CidersError(f"{directory / WEIGHTS} does not match config.json (missing "
+                          f"{sorted(info['missing_keys'])[:3]}, unexpected {sorted(info['unexpected_keys'])[:3]})")
+
+
+def _load_quantized(directory: Path, config: dict, mode: str, device: torch.device, stored: bool, kw: dict):
+    """`load_edge` for a quantized emulator: the stored file checked against the client's own skeleton, or, before
+    the first broadcast, a placeholder of zeros in the quantized layout (loaded the same way)."""
+    from ciders.models import edge_quant as eq
+
+    check_config(config)  # the size limit, before the skeleton is built
+    ref, metadata = eq.reference(config, mode, kw["dtype"])
+    src = directory
+    with tempfile.TemporaryDirectory() as tmp:
+        if stored:
+            eq.check_stored(directory / WEIGHTS, ref)
+        else:  # int8 zeros and zero scales: replaced in place by the first broadcast (`load_quantized_base`)
+            src = Path(tmp)
+            (src / "config.json").write_bytes((directory / "config.json").read_bytes())
+            eq.save_quantized(src / WEIGHTS, {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in ref.items()},
+                              metadata)
+        try:
+            model, info = eq.load_quantized(src, mode, **kw)
+        except Exception as exc:
+            raise CidersError(f"cannot load the quantized edge model in {directory}: "
+                              f"{str(exc).splitlines()[0][:200]}") from exc
+    _loaded_all(directory, info)
+    model.to(device)
+    model.eval()
+    return model
 
 
 def save_edge_weights(d: Decomposition, directory: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from ciders.core.metagrad import second_order
 from ciders.core.tensors import State
-from ciders.eval.chunked import linear_nll, plain_head
+from ciders.eval.chunked import linear_nll, plain, plain_head
 from ciders.eval.metrics import token_nll_at
 from ciders.eval.metrics import target_positions as loss_positions
 from ciders.models.decompose import MESSENGER, Decomposition
@@ -43,6 +43,7 @@ class MessengerLoss:
         self.compute_dtype = compute_dtype
         self._cast: tuple[tuple, State] | None = None  # (key of the source weights, their copies)
         self._head_name: str | None = None
+        self._plain_head: torch.Tensor | None = None  # a quantized head, dequantized once (`reset_head`)
 
     def base_weights(self) -> State:
         """The messenger_top weights the loss needs besides the LoRA state, in `compute_dtype` ({} when
@@ -90,7 +91,16 @@ class MessengerLoss:
         w = self.d.messenger_top.lm_head.weight
         if self._head_name is None:  # the canonical name (a tied head is the embedding's), looked up once
             self._head_name = next(n for n, p in self.d.messenger_top.named_parameters() if p is w)
-        return weights.get(self._head_name, w)
+        got = weights.get(self._head_name, w)
+        if got is w and type(w) not in (torch.Tensor, torch.nn.Parameter):  # a frozen int8 head (models.edge_quant)
+            if self._plain_head is None:  # 0.18 s per dequantization for SmolLM2's, as long as the step itself
+                self._plain_head = plain(w).detach()
+            return self._plain_head
+        return got
+
+    def reset_head(self) -> None:
+        """Forget the dequantized head: its int8 weights were replaced (an edge client's first download)."""
+        self._plain_head = None
 
     def __call__(self, params: State, batch: dict) -> torch.Tensor:
         """Mean CE over response tokens: position t predicts labels[:, t + 1] (as `eval.metrics.token_nll`)."""

@@ -57,6 +57,7 @@ class Plan:
     edge_base_mib: float
     edge_base_dtype: str
     edge_base_mib_16: float  # the same in bfloat16 / float16 (federation.emulator_dtype)
+    edge_base_mib_int8: float  # the same as int8 with a scale per row (federation.emulator_quantize)
     downlink_mib: dict = field(default_factory=dict)
     uplink_mib: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)  # `memory_plan`: predicted peak training memory, MiB
@@ -95,21 +96,24 @@ def _meta_model(model: str) -> tuple[object, nn.Module, nn.ModuleList]:
     return cfg, m, layers
 
 
-def _edge_base(cfg: object, m: nn.Module, stu: list[nn.Module], msg: list[nn.Module]) -> tuple[int, torch.dtype, int]:
+def _edge_base(cfg: object, m: nn.Module, stu: list[nn.Module], msg: list[nn.Module]) -> tuple[int, torch.dtype, int, int]:
     """Edge base weights (sent once): B_L + P_M layers plus embeddings / norm / head (tied counted once).
-    Returns their parameter count, the checkpoint dtype and its bytes per parameter."""
+    Returns their parameter count, the checkpoint dtype, its bytes per parameter and the bytes of the same weights
+    under federation.emulator_quantize: int8 (models.edge_quant: a matrix as int8 plus, per row, a scale in the
+    checkpoint dtype and an int8 zero point; vectors as they are)."""
+    dtype = getattr(cfg, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    nbytes = torch.empty((), dtype=dtype).element_size()
     seen: set[int] = set()
-    edge = 0
+    edge = int8 = 0
     for mod in stu + msg + [mod for n, mod in m.model.named_children() if n != "layers"] + [m.lm_head]:
         for p in mod.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 edge += p.numel()
-    dtype = getattr(cfg, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    return edge, dtype, nbytes
+                int8 += p.numel() + p.shape[0] * (nbytes + 1) if p.dim() == 2 else p.numel() * nbytes
+    return edge, dtype, nbytes, int8
 
 
 def _traffic(msg_mib: float, stu_mib: float, upload_personalized_messenger: bool) -> tuple[dict, dict]:
@@ -146,7 +150,7 @@ def make_plan(
     sp, st = _lora_sizes(stu, student_lora.targets, student_lora.r)
     if mt == 0:
         raise CidersError(f"{model}: LoRA targets {list(messenger_lora.targets)} match no Linear in the messenger layers")
-    edge, dtype, nbytes = _edge_base(cfg, m, stu, msg)
+    edge, dtype, nbytes, int8 = _edge_base(cfg, m, stu, msg)
     msg_mib, stu_mib = _mib(mp), _mib(sp)
     down, up = _traffic(msg_mib, stu_mib, upload_personalized_messenger)
     return Plan(
@@ -158,7 +162,7 @@ def make_plan(
         messenger_lora_params=mp, messenger_lora_tensors=mt, student_lora_params=sp, student_lora_tensors=st,
         messenger_lora_mib=msg_mib, student_lora_mib=stu_mib, consensus_mib=msg_mib,
         edge_base_params=edge, edge_base_mib=_mib(edge, nbytes), edge_base_dtype=str(dtype).replace("torch.", ""),
-        edge_base_mib_16=_mib(edge, 2),
+        edge_base_mib_16=_mib(edge, 2), edge_base_mib_int8=int8 / 2**20,
         downlink_mib=down, uplink_mib=up,
         memory=memory_plan(cfg, m, split, edge, mp, sp, workload or Workload()),
     )
@@ -177,7 +181,8 @@ def render(p: Plan) -> str:
         f"  {'learnable backbone B_L':<{w}}{p.student_layers} layers of B_F at [{_ranges(p.student_indices)}]",
         f"  {'AdapEmu (edge model)':<{w}}{p.student_layers + p.messenger_layers} layers; base weights "
         f"{p.edge_base_params:,} params = {p.edge_base_mib:.1f} MiB ({p.edge_base_dtype}), sent once"
-        + (f" ({p.edge_base_mib_16:.1f} MiB with federation.emulator_dtype: bfloat16)" if p.edge_base_mib != p.edge_base_mib_16 else ""),
+        + (f" ({p.edge_base_mib_16:.1f} MiB with federation.emulator_dtype: bfloat16)" if p.edge_base_mib != p.edge_base_mib_16 else "")
+        + f" ({p.edge_base_mib_int8:.1f} MiB with federation.emulator_quantize: int8)",
         f"  LoRA on {', '.join(p.lora_targets)}",
         f"  {'messenger LoRA':<{w}}{p.messenger_lora_params:>12,} params  {p.messenger_lora_tensors:>4} tensors  {p.messenger_lora_mib:8.2f} MiB  (r={p.messenger_lora_r}, FP32)",
         f"  {'student LoRA':<{w}}{p.student_lora_params:>12,} params  {p.student_lora_tensors:>4} tensors  {p.student_lora_mib:8.2f} MiB  (r={p.student_lora_r}, FP32)",

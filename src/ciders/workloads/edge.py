@@ -41,13 +41,24 @@ def _edge_model(cfg: ExperimentConfig, edge: Path, meta: dict):
     from transformers import AutoTokenizer
 
     dev = resolve_device(cfg.model.device)
-    model, loaded = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation)
+    model, loaded = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation,
+                                 quantize=quantize_of(cfg, meta))
     d = me.edge_decompose(model, es.split_of(meta), cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
     # the chat template is the server's code: every render is bounded (a hostile loop is an error, not a hang)
     tok = bound_chat_template(AutoTokenizer.from_pretrained(str(edge)))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return d, tok, loaded
+
+
+def quantize_of(cfg: ExperimentConfig, meta: dict) -> str:
+    """The emulator's quantization: the experiment's, which the spec must state too (a spec from another
+    setting would make the client check its download against the wrong layout)."""
+    mode = cfg.federation.emulator_quantize
+    if meta.get("quantize", "none") != mode:
+        raise PayloadError(f"the edge spec says the emulator is quantized as {str(meta.get('quantize'))[:16]!r}, the "
+                           f"experiment's federation.emulator_quantize is {mode!r}")
+    return mode
 
 
 def node_model(state: str | Path):
@@ -99,6 +110,8 @@ class EdgeTask(ClientSide):
             write_text(held, text)
         meta = json.loads((self.edge_dir / es.META).read_text(encoding="utf-8"))
         self.wire_dtype = DTYPES.get(str(meta.get("emulator_dtype")))  # the emulator's download dtype
+        self.quantize = quantize_of(cfg, meta)
+        self._quant_ref = None  # (reference tensors, torchao metadata) of a quantized download
         split = es.split_of(meta)
         mine = split_layers(split.n_layers, cfg.decomposition.messenger_layers, **cfg.decomposition.split_kwargs())
         if mine != split:
@@ -137,9 +150,19 @@ class EdgeTask(ClientSide):
     def downlink_reference(self) -> dict:
         """As `ClientSide`'s, with the emulator in the dtype the spec says it travels in."""
         ref = super().downlink_reference()
-        if self.wire_dtype is not None:
+        if self.quantize != "none":
+            ref["emulator"] = self._quantized_reference()[0]
+        elif self.wire_dtype is not None:
             ref["emulator"] = {k: v.to(self.wire_dtype) for k, v in ref["emulator"].items()}
         return ref
+
+    def _quantized_reference(self) -> tuple[dict, dict]:
+        if self._quant_ref is None:  # from the spec's config.json alone (models.edge_quant.reference)
+            from ciders.models import edge_quant as eq
+
+            config = json.loads((self.edge_dir / "config.json").read_text(encoding="utf-8"))
+            self._quant_ref = eq.reference(config, self.quantize, self.d.base.dtype)
+        return self._quant_ref
 
     def static_extra(self) -> set[str]:
         """The once-sent components the client round keeps in `static/`: the student LoRA when it is fixed
@@ -147,7 +170,16 @@ class EdgeTask(ClientSide):
         return {"student"} if self.cfg.takd.round_steps == 0 else set()
 
     def begin_round(self, t: int, downlink_extra: dict) -> None:
-        if "emulator" in downlink_extra:  # first contact: load, then keep as the edge model's weights
+        if "emulator" in downlink_extra and self.quantize != "none":  # first contact, quantized: as received
+            from ciders.models import edge_quant as eq
+
+            _, metadata = self._quantized_reference()
+            base = {k.replace(".base_layer.", "."): p for k, p in self.d.emulator_base_params().items()}
+            eq.load_into(base, downlink_extra["emulator"], metadata)
+            self.loss.reset_head()
+            eq.save_quantized(self.edge_dir / es.WEIGHTS, downlink_extra["emulator"], metadata)
+            self.loaded = True
+        elif "emulator" in downlink_extra:  # first contact: load, then keep as the edge model's weights
             self.d.load_emulator_base(downlink_extra["emulator"])
             me.save_edge_weights(self.d, self.edge_dir, self.wire_dtype)
             self.loaded = True

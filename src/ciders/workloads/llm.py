@@ -30,7 +30,8 @@ class LLMTask(ClientSide):
     `EdgeTask` (`workloads.edge`), which holds AdapEmu only."""
 
     def __init__(self, cfg: ExperimentConfig, out: str | Path, log=console.info,
-                 prealign_cache: str | Path | None = None, edge_dtype: torch.dtype | None = None):
+                 prealign_cache: str | Path | None = None, edge_dtype: torch.dtype | None = None,
+                 edge_quantize: str = "none"):
         from ciders.algorithms import configure
 
         cfg = configure(cfg)  # a baseline's TAKD settings (FedBiOT, FedOT) live in its config
@@ -39,6 +40,7 @@ class LLMTask(ClientSide):
         # Flower: the dtype of the emulator's first download (None: as held). In-process clients share the
         # server's model, so nothing is cast for them.
         self.edge_dtype = edge_dtype
+        self.edge_quantize, self._quantized = edge_quantize, None  # Flower: int8 downloads, made once (frozen)
         with phase("model and data"):
             federated.check_sources(cfg)  # a mistyped data path fails before minutes of model loading
             self.d, self.tok = build(cfg)
@@ -141,6 +143,14 @@ class LLMTask(ClientSide):
     def downlink_extra(self, extra: TAKDState) -> dict:
         """The student LoRA (every round) and the emulator's frozen base weights (first contact only)."""
         emu = self.d.emulator_base_state()
+        if self.edge_quantize != "none":
+            if self._quantized is None:  # the base weights are frozen: quantized once per run
+                from ciders.models import edge_quant
+
+                plain = {k.replace(".base_layer.", "."): v for k, v in emu.items()}
+                self._quantized = edge_quant.quantize_state(self.d.adapemu.config.to_dict(), plain,
+                                                            self.edge_quantize)
+            return {"student": extra.student, "emulator": self._quantized}
         if self.edge_dtype is not None:
             emu = {k: v.to(self.edge_dtype) for k, v in emu.items()}
         return {"student": extra.student, "emulator": emu}
@@ -149,7 +159,7 @@ class LLMTask(ClientSide):
         """What a Flower client needs at first contact to build AdapEmu without the full model (`models.edge`)."""
         from ciders.models.edge import edge_spec
 
-        return edge_spec(self.d, self.tok, self.edge_dtype)
+        return edge_spec(self.d, self.tok, self.edge_dtype, self.edge_quantize)
 
     def model_sizes(self) -> dict:
         """MiB of parameters: the full model the server holds and the emulator an edge client holds (base

@@ -77,7 +77,8 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
     from ciders.workloads.llm import LLMTask
 
     ed = cfg.federation.emulator_dtype
-    task = LLMTask(cfg, out, log=log, edge_dtype=None if ed == "model" else DTYPES[ed])
+    task = LLMTask(cfg, out, log=log, edge_dtype=None if ed == "model" else DTYPES[ed],
+                   edge_quantize=cfg.federation.emulator_quantize)
     # the clients get the effective config (a baseline's knobs set)
     ex = FlowerExchange(grid, dump_yaml(algorithms.configure(cfg)), sorted(task.clients()), cfg.flower, "ciders", log,
                         edge_spec=task.edge_spec())
