@@ -57,6 +57,7 @@ bench: $(STAMP)
 	-$(BIN)/python benchmarks/submodel_cost.py --json > $(BENCH_OUT)/submodel_cost.json
 	-$(BIN)/python benchmarks/edge_download.py --json > $(BENCH_OUT)/edge_download.json
 	-$(BIN)/python benchmarks/edge_client.py --json > $(BENCH_OUT)/edge_client.json
+	-$(BIN)/python benchmarks/edge_quantized.py --json > $(BENCH_OUT)/edge_quantized.json
 	-$(BIN)/python benchmarks/edge_export.py --json > $(BENCH_OUT)/edge_export.json
 	-$(BIN)/python benchmarks/secagg_cost.py --json > $(BENCH_OUT)/secagg_cost.json
 	-$(BIN)/python benchmarks/paper_shape.py --json > $(BENCH_OUT)/paper_shape.json

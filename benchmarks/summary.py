@@ -33,6 +33,8 @@ HEADLINES: dict[str, list[str]] = {
                       "downloads.float16.ppl_change"],
     "edge_client": ["*.warm.per_message_overhead_s", "*.warm.compute_s", "*.overhead_over_compute_warm",
                     "*.cold.per_message_overhead_s", "*.full_model_files_opened"],
+    "edge_quantized": ["modes.int8.first_contact_mib", "diff.client_peak_rss_mib.mean", "diff.compute_s.mean",
+                       "diff.server_nll.mean", "diff.edge_nll.mean"],
     "edge_export": ["onnx_mib", "gguf_mib", "onnx_tok_per_s", "torch_tok_per_s", "same_tokens"],
     "secagg_cost": ["up_ratio_range", "down_kib_range", "client_s_range", "server_s_range", "max_abs_error"],
     "paper_shape": ["models.*.steps.*.peak_mib", "models.*.steps.*.ratio"],

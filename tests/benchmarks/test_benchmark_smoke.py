@@ -17,9 +17,10 @@ from conftest import ROOT
 
 BENCH = ROOT / "benchmarks"
 HELPERS = {"common", "summary"}  # shared code, not benchmarks
-# every benchmark and the marks of its smoke: edge_client deploys Flower on loopback (SuperLink, SuperNodes,
-# ClientApps), so it runs in the Flower suite (`make test`, CI); the rest in the default suite
+# every benchmark and the marks of its smoke: edge_client and edge_quantized deploy Flower on loopback (SuperLink,
+# SuperNodes, ClientApps), so they run in the Flower suite (`make test`, CI); the rest in the default suite
 SMOKES = {"client_step": (), "consensus_units": (), "edge_client": (pytest.mark.flower,), "edge_download": (),
+          "edge_quantized": (pytest.mark.flower,),
           "edge_export": (), "fd_accuracy": (), "hypergrad_cost": (), "round_profile": (), "secagg_cost": (),
           "submodel_cost": (), "takd_round": (), "paper_shape": ()}
 TIMEOUT_S = 600  # a smoke takes seconds; this only stops a hung one on a loaded machine
