@@ -38,6 +38,7 @@ def test_fewshot_and_losstune_tables(tmp_path, capsys):
     (["--set", "federation.eval_rounds=2", "--seeds", "0", "--last-rounds", "3"],
      "set federation.eval_rounds >= 3"),
     (["--set", "rabo.segments=[0,-1]"], "rabo.segments: each must be an integer >= 0"),
+    (["--set", "federation.checkpoint_keep=0"], "federation.checkpoint_keep: must be >= 1"),
 ])
 def test_bilevel_config_errors(tmp_path, capsys, args, err):
     assert main(["bilevel", str(ROOT / "configs/cpu/rabo_losstune.yaml"), "--out", str(tmp_path), *args]) == 2

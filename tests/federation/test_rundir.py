@@ -332,3 +332,15 @@ def test_bilevel_resume_still_refuses_more_rounds(tmp_path):
     longer = replace(exp, federation=replace(exp.federation, rounds=4))
     with pytest.raises(CidersError, match="at 'federation.rounds'; resume with the same config$"):
         run_bilevel(longer, QuadTask(), tmp_path, resume=True, log=lambda s: None)
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_both_families_keep_the_checkpoints_their_config_says(tmp_path, keep):
+    run_federation(load_config(None, CIDERS + [f"federation.checkpoint_keep={keep}"]), VectorTask(4),
+                   tmp_path / "c", progress=False, log=lambda s: None)
+    exp = bilevel_exp()
+    run_bilevel(replace(exp, federation=replace(exp.federation, checkpoint_keep=keep)), QuadTask(), tmp_path / "b",
+                log=lambda s: None)
+    for run in ("c", "b"):
+        rounds = sorted(p.name for p in (tmp_path / run / "checkpoints").iterdir() if p.name != "LATEST")
+        assert rounds == [f"round_{r:06d}" for r in range(4 - keep, 4)], run  # rounds 1-3 committed

@@ -107,10 +107,13 @@ class BilevelFederationConfig:
         10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
         "this multiple of max(r, 1), r the norm at the run's start of what it moves (||y_0||, ||x_0||, ||(x_0, y_0)||; "
         "docs/security.md#aggregation); null = accept any finite step")
+    checkpoint_keep: int = opt(2, "checkpoints kept in the run directory (as the CIDERS family's)")
 
     def validate(self) -> None:
         if self.clients < 1 or self.rounds < 1:
             raise ConfigError("federation.clients and federation.rounds must be >= 1")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"federation.checkpoint_keep: must be >= 1, got {self.checkpoint_keep}")
         if not 0 <= self.eval_rounds <= self.rounds:
             raise ConfigError(f"federation.eval_rounds: must be in 0 .. federation.rounds ({self.rounds}), got "
                               f"{self.eval_rounds}")

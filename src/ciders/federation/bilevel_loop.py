@@ -143,7 +143,7 @@ class BilevelRounds:
             before_checkpoint()
         s = self.server.state  # round q committed: checkpoints/round_<n>/ then the LATEST pointer
         self.run.save_checkpoint(q, _flat(s), {"round": s.round, "ref_norm": s.ref, "totals": self.totals,
-                                               "eval": self.ev}, keep=2)
+                                               "eval": self.ev}, keep=self.exp.federation.checkpoint_keep)
         self.log(f"round {q}/{self.exp.federation.rounds - 1}: C_x* {rnd['covering_x']} C_y* {rnd['covering_y']} "
                  f"{self.ev if evaluated else '(not evaluated: federation.eval_rounds)'}")
 
