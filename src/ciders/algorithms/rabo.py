@@ -33,6 +33,11 @@ from ciders.core.tensors import State, clone, lincomb, norm
 BiLoss = Callable[[State, State, object], torch.Tensor]  # (x, y, batch) -> scalar
 
 
+def configure(cfg: RaboConfig) -> RaboConfig:
+    """RABO itself: the config's extraction rule (importance by default) and the implicit hypergradient."""
+    return replace(cfg, method="rabo").validate()
+
+
 @dataclass(frozen=True)
 class BilevelState:
     round: int

@@ -5,8 +5,9 @@ A `Method` says which family it belongs to and how it is built from an experimen
   ciders family   `configure(cfg) -> cfg`: CIDERS itself, or a baseline that fixes some of its knobs
                   (docs/method.md, "Baselines as knob settings"); every one runs the same client and
                   server functions (`algorithms.ciders`).
-  bilevel family  RABO / RAFBO / FedMBO run `algorithms.rabo` with their `rabo_method` (and extraction
-                  rule `mask_rule`); the baselines run their own `local_update` (`algorithms.fedmeta`) on
+  bilevel family  RABO / RAFBO / FedMBO run `algorithms.rabo`, their `configure(rabo_cfg) -> rabo_cfg` (in
+                  `algorithms.rabo`, `.rafbo`, `.fedmbo`) fixing the variant `rabo_method` and, for FedMBO, the
+                  full masks; the baselines run their own `local_update` (`algorithms.fedmeta`) on
                   the task kind they belong to, the full model, or, with a `mask_rule`, the sub-model
                   that rule extracts (the paper's single-level sub-model baselines; docs/rabo.md).
 
@@ -21,8 +22,8 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
-from ciders.algorithms import (dist_maml, dist_protonet, fedavg, fedavg_notune, fedbiot, fedot, fedprox, localot,
-                               scaffold, takd_only)
+from ciders.algorithms import (dist_maml, dist_protonet, fedavg, fedavg_notune, fedbiot, fedmbo, fedot, fedprox,
+                               localot, rabo, rafbo, scaffold, takd_only)
 from ciders.config import AlgorithmName
 from ciders.config.bilevel import BilevelMethod
 from ciders.errors import ConfigError
@@ -35,9 +36,9 @@ class Method:
     name: str
     family: Family
     summary: str
-    configure: Callable[[Any], Any] | None = None  # ciders family: cfg -> the method's effective cfg
+    configure: Callable[[Any], Any] | None = None  # ciders: cfg -> its effective cfg; RABO variants: cfg.rabo -> its
     rabo_method: str | None = None  # bilevel: the algorithms.rabo variant it runs ...
-    mask_rule: str | None = None  # ... with this extraction rule (None: the config's)
+    mask_rule: str | None = None  # a sub-model baseline's extraction rule
     local_update: Callable | None = None  # bilevel full-model baselines: their client step
     task_kind: str | None = None  # bilevel full-model baselines: the task they belong to
 
@@ -71,9 +72,9 @@ _ALL = [
     Method("fedbiot", "ciders", "FedBiOT: B_L re-aligned every round", fedbiot.configure),
     Method("localot", "ciders", "each client alone, nothing uploaded", localot.configure),
     Method("takd-only", "ciders", "control: the TAKD schedule alone, no client learning", takd_only.configure),
-    Method("rabo", "bilevel", "RABO: implicit hypergradients on importance sub-models", rabo_method="rabo"),
-    Method("rafbo", "bilevel", "RAFBO: second-order free (finite differences)", rabo_method="rafbo"),
-    Method("fedmbo", "bilevel", "FedMBO: every mask full", rabo_method="fedmbo", mask_rule="full"),
+    Method("rabo", "bilevel", "RABO: implicit hypergradients on importance sub-models", rabo.configure, "rabo"),
+    Method("rafbo", "bilevel", "RAFBO: second-order free (finite differences)", rafbo.configure, "rafbo"),
+    Method("fedmbo", "bilevel", "FedMBO: every mask full", fedmbo.configure, "fedmbo"),
     # the paper's single-level sub-model baselines: the ProtoNet client step on each one's extracted sub-model
     Method("static", "bilevel", "single-level sub-model training, fixed leading sub-model (HeteroFL)",
            mask_rule="static", local_update=dist_protonet.local_update, task_kind="fewshot"),
@@ -120,7 +121,7 @@ def bilevel_config(exp, name: str):
     if exp.method == name and exp.rabo.method not in (m.rabo_method, "rabo"):
         raise ConfigError(f"method {name} runs rabo.method {m.rabo_method}, but the config has rabo.method "
                           f"{exp.rabo.method}; set method: {exp.rabo.method} or drop rabo.method")
-    rabo = replace(exp.rabo, method=m.rabo_method, mask_rule=m.mask_rule or exp.rabo.mask_rule)
+    rabo = m.configure(exp.rabo)
     # checked here, where each run's method is fixed: a config loaded for `--methods rafbo` may name another
     if rabo.coordinates and rabo.method != "rafbo":
         raise ConfigError(f"rabo.coordinates: the coordinate-wise estimator is RAFBO's, and {name} runs "
