@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import load_config
 from ciders.federation import secure
 from ciders.federation.exchange import Reply
@@ -86,7 +87,7 @@ def one_round(name: str, n: int, k: int | None, drop: str | None, root: Path) ->
     alive = [c for c in ids if c != drop]
     exact = {key: sum(deltas[c][key].double() * sr.weights[c] for c in alive) for key in ref}
     err = max((total[key].double() - exact[key]).abs().max().item() for key in ref)
-    plain_up = len(alg.encode_upload(alg.Upload("client0", 0, 0, dc=ref))[0])
+    plain_up = len(codec.encode_upload(alg.Upload("client0", 0, 0, dc=ref))[0])
     return {"messenger": name, "clients": n, "neighbours": k if k is not None else "all", "dropout": bool(drop),
             "params": sum(v.numel() for v in ref.values()),
             "kib_up_per_client": sum(up.values()) / n / 1024, "kib_down_per_client_secagg": sum(down.values()) / n / 1024,

@@ -9,6 +9,7 @@ import torch
 
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import load_config
 from ciders.core.tensors import max_abs_diff
 from ciders.federation.loop import RunDir, run_federation
@@ -151,7 +152,7 @@ def test_localot_trains_alone_from_its_own_messenger(tmp_path):
     w = torch.zeros(8, dtype=torch.float64)
     for c in task.ids:
         x = local_sgd(task, c, local_sgd(task, c, w, 0), 1)  # round 1 continues from round 0's x_K
-        st = alg.client_from_record(*store.get(c))
+        st = codec.client_from_record(*store.get(c))
         assert torch.allclose(st.personalized["x"], x, atol=1e-12, rtol=0)
     tensors, meta = RunDir(tmp_path).load_checkpoint(1)
     assert torch.equal(tensors["messenger/x"], w)  # the server never aggregates

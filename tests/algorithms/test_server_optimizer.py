@@ -13,6 +13,7 @@ import torch
 
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import load_config
 from ciders.core import server_opt as so
 from ciders.core.tensors import equal, max_abs_diff
@@ -62,7 +63,7 @@ def test_none_is_eq12_bit_for_bit_and_writes_the_same_record():
         server, copies, _ = alg.server_update(c, server, ups, copies, SIZES)
         assert equal(server.messenger, w_eq12) and server.opt is None
     assert equal(server.messenger, drive(c, 4)[0].messenger)
-    tensors, meta = alg.server_record(server)
+    tensors, meta = codec.server_record(server)
     assert set(meta) == {"round", "total_rounds", "ref_norm"}  # ref_norm: ||w_0||, the step bound's reference
     assert all(k.startswith(("messenger/", "c/")) for k in tensors)
 
@@ -122,10 +123,10 @@ def test_a_resumed_run_continues_exactly(tmp_path, name):
     c = cfg(**BASE, server_optimizer=name)
     straight = drive(c, 4)[0]
     server, copies, states, ids = drive(c, 2)
-    tensors, meta = alg.server_record(server)
+    tensors, meta = codec.server_record(server)
     assert meta["server_opt"] == {"name": name, "step": 2}
     save_file(tensors, str(tmp_path / "state.safetensors"))
-    back = alg.server_from_record(load_file(str(tmp_path / "state.safetensors")), json.loads(json.dumps(meta)))
+    back = codec.server_from_record(load_file(str(tmp_path / "state.safetensors")), json.loads(json.dumps(meta)))
     assert back.opt == server.opt and equal(back.messenger, server.messenger)
     resumed = drive(c, 2, start=(back, copies, states, ids))[0]
     assert equal(resumed.messenger, straight.messenger) and equal(resumed.c, straight.c)
@@ -140,9 +141,9 @@ def test_server_to_moves_the_optimizer_state_too():
     from ciders.federation.rounds import _to_device
 
     server = drive(cfg(**BASE, server_optimizer="fedadam"), 1)[0]
-    moved = alg.server_to(server, "cpu")
+    moved = codec.server_to(server, "cpu")
     assert moved.opt == server.opt and equal(moved.messenger, server.messenger) and equal(moved.c, server.c)
-    assert alg.server_to(drive(cfg(**BASE), 1)[0], "cpu").opt is None
+    assert codec.server_to(drive(cfg(**BASE), 1)[0], "cpu").opt is None
     resumed = _to_device(server, server.messenger)
     assert resumed.opt is not None and resumed.opt == server.opt
 
@@ -150,8 +151,8 @@ def test_server_to_moves_the_optimizer_state_too():
 def test_an_old_checkpoint_without_optimizer_state_loads_and_a_server_optimizer_starts_fresh():
     c = cfg(**BASE)
     server, copies, states, ids = drive(c, 2)
-    tensors, meta = alg.server_record(server)
-    old = alg.server_from_record(tensors, {"round": meta["round"], "total_rounds": meta["total_rounds"]})
+    tensors, meta = codec.server_record(server)
+    old = codec.server_from_record(tensors, {"round": meta["round"], "total_rounds": meta["total_rounds"]})
     assert old.opt is None and equal(old.messenger, server.messenger)
     adam = drive(cfg(**BASE, server_optimizer="fedadam"), 1, start=(old, copies, states, ids))[0]
     assert adam.opt.step == 1 and adam.opt.name == "fedadam"

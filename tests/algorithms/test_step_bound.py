@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.core import consensus as cs
 from ciders.core.tensors import equal, norm
 from synthetic import SIZES, cfg, client_uploads, largest_accepted, quad_clients, setup
@@ -131,13 +132,13 @@ def test_the_reference_is_fixed_saved_and_loaded():
     assert server.ref_norm == 5.0
     last = _run(cfg(tau=1.0), True, rounds=3)[-1][0]
     assert last.ref_norm == 0.0 and norm(last.messenger) > 1  # the zero start of `setup`, kept
-    tensors, meta = alg.server_record(last)
-    back = alg.server_from_record(tensors, json.loads(json.dumps(meta)))
+    tensors, meta = codec.server_record(last)
+    back = codec.server_from_record(tensors, json.loads(json.dumps(meta)))
     assert back.ref_norm == 0.0 and equal(back.messenger, last.messenger)
-    old = alg.server_from_record(tensors, {k: v for k, v in meta.items() if k != "ref_norm"})
+    old = codec.server_from_record(tensors, {k: v for k, v in meta.items() if k != "ref_norm"})
     assert old.ref_norm == norm(last.messenger)
     bare = alg.ServerState(0, 4, w0, {"x": torch.zeros(6, dtype=torch.float64)})  # built without one
-    assert alg.with_ref(bare).ref_norm == 5.0 and alg.server_record(bare)[1]["ref_norm"] == 5.0
+    assert alg.with_ref(bare).ref_norm == 5.0 and codec.server_record(bare)[1]["ref_norm"] == 5.0
 
 
 def test_a_step_inside_the_old_bound_but_outside_the_new_one_is_refused_plain_and_secure():

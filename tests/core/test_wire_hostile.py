@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.core import wire
 from ciders.core.wire import MAGIC, PayloadError
 
@@ -22,7 +23,7 @@ def raw(header, blobs=b"") -> bytes:
 
 def upload(**meta) -> bytes:
     up = alg.Upload("client0", 0, 0, dc={k: torch.ones_like(v) for k, v in REF.items()})
-    msg, _ = alg.encode_upload(up)
+    msg, _ = codec.encode_upload(up)
     comps, _ = wire.decode(msg)
     base = {"client_id": "client0", "round": 0, "base_version": 0, "resync_request": False}
     return wire.encode(comps, {**base, **meta})[0]
@@ -67,12 +68,12 @@ def test_header_size_is_capped_before_it_is_parsed():
 ])
 def test_upload_metadata_of_the_wrong_type_is_rejected(meta):
     with pytest.raises(PayloadError, match="metadata"):
-        alg.decode_upload(upload(**meta), REF)
+        codec.decode_upload(upload(**meta), REF)
 
 
 def test_a_claimed_example_count_is_ignored():
     """The server weighs by the sizes it registered; an upload's claim of n_examples is not read."""
-    up = alg.decode_upload(upload(n_examples=10**15), REF)
+    up = codec.decode_upload(upload(n_examples=10**15), REF)
     assert not hasattr(up, "n_examples")
 
 
@@ -80,10 +81,10 @@ def test_a_claimed_example_count_is_ignored():
                                   {"applied": [0]}, {"applied": "x"}, {"gamma": [1]}])
 def test_broadcast_metadata_of_the_wrong_type_is_rejected(meta):
     b = alg.Broadcast(0, REF, None, 0.1, (0.1,), (0.1,), c_i_digest="abc")
-    msg, _ = alg.encode_broadcast(b)
+    msg, _ = codec.encode_broadcast(b)
     comps, good = wire.decode(msg)
     with pytest.raises(PayloadError):
-        alg.decode_broadcast(wire.encode(comps, {**good, **meta})[0], REF)
+        codec.decode_broadcast(wire.encode(comps, {**good, **meta})[0], REF)
 
 
 def test_random_corruptions_only_raise_payload_errors():
@@ -103,7 +104,7 @@ def test_random_corruptions_only_raise_payload_errors():
             i = rng.randrange(len(m))
             m = m[:i] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))) + m[i:]
         try:
-            up = alg.decode_upload(bytes(m), REF)
+            up = codec.decode_upload(bytes(m), REF)
         except PayloadError:
             continue
         assert isinstance(up.round, int) and isinstance(up.client_id, str)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import load_config
 from ciders.core.store import RoundStore
 from ciders.core.tensors import equal, lincomb, max_abs_diff
@@ -93,9 +94,9 @@ def test_channel_faults_keep_every_consensus_copy_in_sync(tmp_path):
     assert any("NaN" in why for why in server[1]["rejected"].values()) and "c0002" not in server[1]["accepted"]
     cs, ss = stores(tmp_path / "r")
     for cid in VectorTask(5).ids:
-        client, copy = alg.client_from_record(*cs.get(cid)), alg.copy_from_record(*ss.get(cid))
+        client, copy = codec.client_from_record(*cs.get(cid)), codec.copy_from_record(*ss.get(cid))
         assert in_sync(client, copy), cid
-    versions = {cid: alg.copy_from_record(*ss.get(cid)).version for cid in VectorTask(5).ids}
+    versions = {cid: codec.copy_from_record(*ss.get(cid)).version for cid in VectorTask(5).ids}
     assert versions == {"c0000": 4, "c0001": 6, "c0002": 4, "c0003": 6, "c0004": 5}
 
 
@@ -108,8 +109,8 @@ def test_a_huge_upload_is_refused_by_the_engine_and_the_run_goes_on(tmp_path, mo
     from ciders.federation import loop
 
     def huge(upmsg, ref):
-        up = alg.decode_upload(upmsg, ref)
-        return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+        up = codec.decode_upload(upmsg, ref)
+        return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
                                             {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
 
     monkeypatch.setattr(loop, "_nan_upload", huge)
@@ -133,9 +134,9 @@ def test_reconstruction_through_the_engine_equals_the_client_displacement(tmp_pa
     # with tau = 1 and no correction the new global messenger is FedAvg of the personalized ones
     cs, _ = stores(out)
     tensors, meta = RunDir(out).load_checkpoint(4)
-    w = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"]).messenger
+    w = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"]).messenger
     sizes = VectorTask(5).clients()
-    xs = [(sizes[c] / sum(sizes.values()), alg.client_from_record(*cs.get(c)).personalized) for c in sorted(sizes)]
+    xs = [(sizes[c] / sum(sizes.values()), codec.client_from_record(*cs.get(c)).personalized) for c in sorted(sizes)]
     assert max_abs_diff(w, lincomb(xs)) < 1e-12
 
 
@@ -148,8 +149,8 @@ def test_a_median_run_completes_and_records_its_aggregator(tmp_path, monkeypatch
     from ciders.federation import loop
 
     def huge(upmsg, ref):
-        up = alg.decode_upload(upmsg, ref)
-        return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+        up = codec.decode_upload(upmsg, ref)
+        return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
                                             {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
 
     monkeypatch.setattr(loop, "_nan_upload", huge)
@@ -165,7 +166,7 @@ def test_a_median_run_completes_and_records_its_aggregator(tmp_path, monkeypatch
     assert server[1]["delta_bar_norm"] < 1e3 and server[1]["c_norm"] < 1e3
     assert any(r["event"] == "eval" and r["round"] == 1 for r in rows)
     tensors, meta = RunDir(out).load_checkpoint(1)
-    w = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"])
+    w = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"])
     assert float(w.messenger["x"].abs().max()) < 1e3
     plain = vec_cfg("federation.rounds=1")
     run_vec(tmp_path / "mean", cfg=plain)

@@ -4,6 +4,7 @@ does not. Each bad delivery is one a hostile or broken client or transport can p
 import torch
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import load_config
 from ciders.federation.exchange import Reply
 from ciders.federation.rounds import check_uploads
@@ -12,8 +13,8 @@ from synthetic import VEC, VectorTask, one_round
 def test_only_valid_uploads_of_sampled_clients_reach_the_server(tmp_path):
     cfg, task, ref, rnd, ups = one_round(tmp_path)
     a, b, c = rnd.sampled
-    nan = alg.decode_upload(ups[c][0], ref)
-    nan = alg.encode_upload(alg.Upload(nan.client_id, nan.round, nan.base_version,
+    nan = codec.decode_upload(ups[c][0], ref)
+    nan = codec.encode_upload(alg.Upload(nan.client_id, nan.round, nan.base_version,
                                        {k: torch.full_like(v, float("nan")) for k, v in nan.dc.items()}))[0]
     replies = [Reply(b, ups[a][0], ups[b][1]),  # b's node sends a's upload: claims another id
                Reply(a, *ups[a]),  # fine (arrives after b, is taken in sampling order)

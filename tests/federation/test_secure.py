@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import load_config
 from ciders.core import secagg as sa
 from ciders.core import wire
@@ -260,7 +261,7 @@ def test_the_server_receives_stores_and_logs_no_single_update(tmp_path, monkeypa
                         if p.shape == v.shape:
                             assert np.corrcoef(y.ravel(), p.numpy().ravel())[0, 1] ** 2 < 0.1
         with pytest.raises(wire.PayloadError):  # no reply is an upload the server could decode
-            alg.decode_upload(payload, {"x": torch.zeros(256, dtype=torch.float64)})
+            codec.decode_upload(payload, {"x": torch.zeros(256, dtype=torch.float64)})
     assert ("train", "masked", "torch.int64") in kinds and ("secagg_shares", "shares", "torch.uint8") in kinds
     # what the server keeps: versions only
     store = RoundStore(out / "server", RunDir(out).committed())

@@ -14,6 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.core.store import RoundStore
 from ciders.federation.loop import Faults, RunDir
 from ciders.fileio import read_jsonl
@@ -173,7 +174,7 @@ def assert_in_sync(out, work, cids):
     server = RoundStore(out / "server", RunDir(out).committed())
     for cid in cids:
         store = RoundStore(work / "nodes" / cid / "store", RunDir(out).committed())
-        assert in_sync(alg.client_from_record(*store.get(cid)), alg.copy_from_record(*server.get(cid))), cid
+        assert in_sync(codec.client_from_record(*store.get(cid)), codec.copy_from_record(*server.get(cid))), cid
 
 
 def test_restarted_superlink_and_serverapp_resume_from_the_checkpoint(tiny, tmp_path):

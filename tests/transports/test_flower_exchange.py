@@ -12,6 +12,7 @@ from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import dump_yaml, load_config
 from ciders.core.store import RoundStore
 from ciders.core.tensors import equal
@@ -97,7 +98,7 @@ class InProcessGrid:
                 self.nodes[back] = cid
             return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node unavailable"), reply_to=m)
         rec = RoundStore(self.root / cid, f["committed"]).get(cid)
-        pers = alg.client_from_record(*rec).personalized
+        pers = codec.client_from_record(*rec).personalized
         return Message(fm.pack({"client_id": cid}, encode({"personalized": pers}, {"client_id": cid})[0]),
                        reply_to=m)
 
@@ -127,7 +128,7 @@ def flower_run(tmp_path, tamper=None, vanish=None, over=(), away=None):
 
 def server_state(out):
     t, m = RunDir(out).load_checkpoint(RunDir(out).committed())
-    return alg.server_from_record({k: v for k, v in t.items() if not k.startswith("extra/")}, m["server"])
+    return codec.server_from_record({k: v for k, v in t.items() if not k.startswith("extra/")}, m["server"])
 
 
 def test_the_round_loop_over_flower_equals_the_in_process_engine(tmp_path):
@@ -175,14 +176,14 @@ def _with_payload(payload: bytes):
 
 def test_bad_replies_are_rejected_logged_and_change_nothing(tmp_path):
     def wrong_dtype(m, up, rec):
-        u = alg.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
-        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
+        u = codec.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
+        bad = codec.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
                                            {"x": u.dc["x"].float()}))[0]
         return _with_payload(bad)(m, up, rec)
 
     def nan(m, up, rec):
-        u = alg.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
-        bad = alg.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
+        u = codec.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
+        bad = codec.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
                                            {"x": torch.full_like(u.dc["x"], float("nan"))}))[0]
         return _with_payload(bad)(m, up, rec)
 

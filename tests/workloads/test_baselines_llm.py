@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ciders.cli import main
 from ciders.config import load_config
 from ciders.core.store import RoundStore
-from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.federation.loop import RunDir
 from ciders.fileio import read_jsonl
 from ciders.models.distill import sample_indices
@@ -38,7 +38,7 @@ def fedavg_of_clients(out):
 
     sizes = LLMTask(load_config(out / "config.yaml"), out.parent / "sizes", log=lambda s: None).clients()
     store = RoundStore(out / "clients", RunDir(out).committed())
-    states = {c: alg.client_from_record(*store.get(c)) for c in ("client0", "client1")}
+    states = {c: codec.client_from_record(*store.get(c)) for c in ("client0", "client1")}
     n = sum(sizes[c] for c in states)
     return {k: sum(sizes[c] * s.personalized[k] for c, s in states.items()) / n for k in states["client0"].personalized}
 

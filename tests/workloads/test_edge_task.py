@@ -111,6 +111,7 @@ def test_a_node_exports_its_personalized_model_by_itself(setup, tmp_path, capsys
     from safetensors.torch import load_file
 
     from ciders.algorithms import ciders as alg
+    from ciders.federation import codec
     from ciders.cli import main
     from ciders.core.store import RoundStore
     from ciders.models.export import export_edge_model
@@ -124,7 +125,7 @@ def test_a_node_exports_its_personalized_model_by_itself(setup, tmp_path, capsys
     assert "holds no emulator weights yet" in capsys.readouterr().err
     task.begin_round(0, {"student": student, "emulator": server.d.emulator_base_state()})
     c0 = {k: torch.zeros_like(v) for k, v in mine.items()}
-    RoundStore(state / "store").put("client1", 0, *alg.client_record(alg.ClientState("client1", c0, 0, None, mine)))
+    RoundStore(state / "store").put("client1", 0, *codec.client_record(alg.ClientState("client1", c0, 0, None, mine)))
     assert main(["export", str(state), "--out", str(tmp_path / "out-node"), "--client", "client0"]) == 2
     assert "client1's node, not client0's" in capsys.readouterr().err
     assert main(["export", str(state), "--out", str(tmp_path / "out-node")]) == 0

@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import ExperimentConfig
 from ciders.errors import ConfigError
 from ciders.federation import console
@@ -172,6 +173,6 @@ class _RoundBars:
 
 def _nan_upload(upmsg: bytes, ref: dict) -> bytes:
     """Faults.corrupt for CIDERS: the same upload with a NaN increment (the finite check must reject it)."""
-    up = alg.decode_upload(upmsg, ref)
-    return alg.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+    up = codec.decode_upload(upmsg, ref)
+    return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
                                         {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))[0]

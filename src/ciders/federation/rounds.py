@@ -29,6 +29,7 @@ import torch
 
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
@@ -117,7 +118,7 @@ def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, dow
     first = cid not in state.contacted
     mine = down_extra if first else {k: v for k, v in down_extra.items() if k not in static}
     mine = {k: wire_dtype(v, adapter_dtype) if k in ADAPTERS else v for k, v in mine.items()}
-    msg, sizes = alg.encode_broadcast(b, mine)
+    msg, sizes = codec.encode_broadcast(b, mine)
     return msg, sizes, acfg.communicate or first
 
 
@@ -159,7 +160,7 @@ def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply
         try:
             if who != "?":
                 _count(bytes_up, wire.sizes(m))
-            up = alg.decode_upload(m, ref, device=_dev(ref))
+            up = codec.decode_upload(m, ref, device=_dev(ref))
         except PayloadError as exc:
             rejected[who if who != "?" else f"#{len(rejected)}"] = str(exc)
             continue
@@ -239,7 +240,7 @@ class Coordinator:
         if n:
             self.log(f"  removed {n} records of the interrupted round {committed + 1}")
         tensors, meta = self.run.load_checkpoint(committed)
-        server = alg.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
+        server = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
                                         meta["server"])
         extra = self.task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")},
                                             meta["extra"])
@@ -258,7 +259,7 @@ class Coordinator:
         self.sinks.write(rec)
 
     def _checkpoint(self, state: RunState, extra_t: dict, extra_m: dict) -> None:
-        st, sm = alg.server_record(state.server)
+        st, sm = codec.server_record(state.server)
         self.run.save_checkpoint(state.committed, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
                                  {"server": sm, "extra": extra_m, "contacted": sorted(state.contacted),
                                   **({"excluded": [list(e) for e in state.excluded]} if state.excluded else {})},
@@ -346,7 +347,7 @@ class Coordinator:
                                                        self.cfg.federation.max_step_ratio, dp.server_privacy(self.cfg, t))
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
-                self.server_store.put(cid, t, *alg.copy_record(cp))
+                self.server_store.put(cid, t, *codec.copy_record(cp))
         if checked.rejected:
             sm["rejected"] = {**sm["rejected"], **checked.rejected}
             for who, why in checked.rejected.items():
@@ -449,7 +450,7 @@ def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     return (upload bytes, metrics record). `extra_ref` holds the reference shapes of the task's downlink
     extras (e.g. the student LoRA). In a private mode the record is cut down (`records.private`)."""
     up, cm = client_train(cfg, task, store, cid, msg, extra_ref, held)
-    upmsg = alg.encode_upload(up)[0] if cfg.algorithm.communicate else b""
+    upmsg = codec.encode_upload(up)[0] if cfg.algorithm.communicate else b""
     return upmsg, records.private(cm) if dp.private_records(cfg) else cm
 
 
@@ -476,7 +477,7 @@ def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     ref = task.initial_messenger()  # shapes / dtypes / device only
     ad = cfg.federation.adapter_dtype  # the messenger and student arrive in it; training runs in ref's dtype
     extra_ref = {k: wire_dtype(v, ad) if k in ADAPTERS else v for k, v in extra_ref.items()}
-    b, extra = alg.decode_broadcast(msg, ref, extra_ref, device=_dev(ref), messenger_wire=wire_dtype(ref, ad))
+    b, extra = codec.decode_broadcast(msg, ref, extra_ref, device=_dev(ref), messenger_wire=wire_dtype(ref, ad))
     b = replace(b, messenger={k: v.to(ref[k].dtype) for k, v in b.messenger.items()})
     if held is not None:
         for name in getattr(task, "static_extra", lambda: ())():
@@ -486,12 +487,12 @@ def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
                 extra[name] = held.load(name, extra_ref[name], _dev(ref))
     task.begin_round(b.round, extra)
     rec = store.get(cid)
-    state = _on_device(None if rec is None else alg.client_from_record(*rec), cid, ref)
+    state = _on_device(None if rec is None else codec.client_from_record(*rec), cid, ref)
     with timing.phase("client steps"):  # B_L(x) for the round's batches and the K steps
         batches = task.batches(cid, b.round, acfg.local_steps * acfg.grad_accum, cfg.seed)
         up, state, cm = alg.client_update(acfg, b, state, task.loss_fn(cid), batches,
                                           dp.client_privacy(cfg, b.round, cid))
-    store.put(cid, b.round, *alg.client_record(state))
+    store.put(cid, b.round, *codec.client_record(state))
     return up, cm
 
 
@@ -499,7 +500,7 @@ def client_report(store: RoundStore, cid: str) -> bytes:
     """The client side of a "report": its personalized messenger x_K of its last participation (none if
     it never trained or keeps none) as wire bytes."""
     rec = store.get(cid)
-    pers = alg.client_from_record(*rec).personalized if rec else None
+    pers = codec.client_from_record(*rec).personalized if rec else None
     return wire.encode({"personalized": pers}, {"client_id": cid})[0]  # a None component is left out
 
 
@@ -517,7 +518,7 @@ def _dev(ref: dict) -> torch.device:
 
 
 def _to_device(s: alg.ServerState, ref: dict) -> alg.ServerState:
-    return alg.server_to(s, _dev(ref))  # every field, the server optimizer's moments included
+    return codec.server_to(s, _dev(ref))  # every field, the server optimizer's moments included
 
 
 def _count(acc: dict, sizes: dict) -> None:
@@ -529,7 +530,7 @@ def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:
     rec = store.get(cid)
     if rec is None:
         return alg.init_copy(ref)
-    cp = alg.copy_from_record(*rec)
+    cp = codec.copy_from_record(*rec)
     return replace(cp, c_i={k: v.to(_dev(ref)) for k, v in cp.c_i.items()})
 
 

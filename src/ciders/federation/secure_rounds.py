@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ciders.algorithms import ciders as alg
+from ciders.federation import codec
 from ciders.core.store import RoundStore
 from ciders.federation import dp, secure
 from ciders.federation.exchange import Reply
@@ -31,7 +32,7 @@ def load_version(store: RoundStore, cid: str) -> alg.ServerCopy:
     rec = store.get(cid)
     if rec is None:
         return alg.ServerCopy({})
-    return replace(alg.copy_from_record(*rec), c_i={})
+    return replace(codec.copy_from_record(*rec), c_i={})
 
 
 class SecureCoordinator(Coordinator):
@@ -124,7 +125,7 @@ class SecureCoordinator(Coordinator):
                 len(self.sizes), got.dc, self.cfg.federation.max_step_ratio, dp.server_privacy(self.cfg, t), why)
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
-                self.server_store.put(cid, t, *alg.copy_record(cp))
+                self.server_store.put(cid, t, *codec.copy_record(cp))
         rejected = {**rnd.secure_rejected, **rej, **sm["rejected"]}
         sm["rejected"] = rejected
         self._exclude(t, got.cheats, sm, got.accused)

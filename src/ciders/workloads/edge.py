@@ -67,7 +67,7 @@ def node_model(state: str | Path):
     the experiment config, the personalized messenger, client id, the round of its record)."""
     from safetensors.torch import load_file
 
-    from ciders.algorithms import ciders as alg
+    from ciders.federation import codec
     from ciders.config import loads_config
     from ciders.core.store import RoundStore
 
@@ -87,7 +87,7 @@ def node_model(state: str | Path):
     rounds = store.rounds(cid)
     store = RoundStore(state / "store", rounds[-1] if rounds else -1)  # its newest record, committed or not
     rec = store.get(cid)
-    st = alg.client_from_record(*rec) if rec else None
+    st = codec.client_from_record(*rec) if rec else None
     if st is None or st.personalized is None:
         raise CidersError(f"{state}: {cid} keeps no personalized messenger (algorithm {cfg.algorithm.name})")
     d, tok, _ = _edge_model(cfg, edge, json.loads((edge / es.META).read_text(encoding="utf-8")))

@@ -152,7 +152,7 @@ def eval_run(run_dir, tasks: tuple[str, ...] | None = None, path: str = "adapemu
 
 def load_personalized(run: str | Path, client: str, d) -> dict:
     """A client's personalized messenger (x_K of its last participation) from a run's client store."""
-    from ciders.algorithms import ciders as alg
+    from ciders.federation import codec
     from ciders.core.store import RoundStore
     from ciders.federation.rundir import RunDir
     from ciders.models.adapters import check_state
@@ -161,7 +161,7 @@ def load_personalized(run: str | Path, client: str, d) -> dict:
     committed = RunDir(run).committed()
     store = run / "clients"
     rec = RoundStore(store, committed if committed is not None else -1).get(client) if store.is_dir() else None
-    st = alg.client_from_record(*rec) if rec else None
+    st = codec.client_from_record(*rec) if rec else None
     if st is None or st.personalized is None:
         where = " (a Flower run keeps client state on the nodes: evaluate there, or export it from the node's state-dir)" \
             if not store.is_dir() else " (never trained in this run)"
