@@ -136,3 +136,35 @@ def test_the_quantization_is_torchaos_own(server):
     flat, _ = flatten_tensor_state_dict({n: p.data for n, p in m.named_parameters() if n in names})
     sent = extra["emulator"]
     assert flat.keys() == sent.keys() and all(torch.equal(flat[k], sent[k]) for k in flat)
+
+
+def test_an_int8_node_exports_its_personalized_model_by_itself(server, tmp_path, capsys):
+    """`ciders export NODE_STATE_DIR` on a node holding the int8 emulator: the export is the model the node runs,
+    its int8 weights dequantized (LoRA merged), i.e. the server-side export of the same adapters on the
+    dequantized emulator, and it is a plain model (no torchao tensor in the file)."""
+    from safetensors.torch import load_file
+
+    from ciders.algorithms import ciders as alg
+    from ciders.cli import main
+    from ciders.core.store import RoundStore
+    from ciders.federation import codec
+    from ciders.models.export import export_edge_model
+
+    cfg, s, extra = server
+    task = _node(server, tmp_path)
+    task.begin_round(0, {"emulator": extra["emulator"], "student": extra["student"]})
+    torch.manual_seed(1)
+    mine = {k: torch.randn_like(v) * 0.1 for k, v in s.initial_messenger().items()}
+    c0 = {k: torch.zeros_like(v) for k, v in mine.items()}
+    RoundStore(tmp_path / "node" / "store").put("client1", 0,
+                                                *codec.client_record(alg.ClientState("client1", c0, 0, None, mine)))
+    assert main(["export", str(tmp_path / "node"), "--out", str(tmp_path / "out-node")]) == 0
+    ref = copy.deepcopy(s.d)
+    eq.dequantize_(task.d.adapemu)  # the node's weights, dequantized, onto the server's decomposition
+    node = {k.replace(".base_layer.", "."): v for k, v in task.d.emulator_base_state().items()}
+    ref.load_emulator_base({k: node[k.replace(".base_layer.", ".")] for k in ref.emulator_base_state()})
+    export_edge_model(ref, tmp_path / "server", messenger=mine, student=extra["student"])
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("out-node", "server"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(v.dtype == torch.float32 for v in a.values())
+    assert "quantization_config" not in (tmp_path / "out-node" / "config.json").read_text()

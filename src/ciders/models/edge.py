@@ -162,7 +162,7 @@ def _load_quantized(directory: Path, config: dict, mode: str, device: torch.devi
     with tempfile.TemporaryDirectory() as tmp:
         if stored:
             eq.check_stored(directory / WEIGHTS, ref)
-        else:  # int8 zeros and zero scales: replaced in place by the first broadcast (`load_quantized_base`)
+        else:  # int8 zeros and zero scales: replaced in place by the first broadcast (`edge_quant.load_into`)
             src = Path(tmp)
             (src / "config.json").write_bytes((directory / "config.json").read_bytes())
             eq.save_quantized(src / WEIGHTS, {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in ref.items()},

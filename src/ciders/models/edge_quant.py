@@ -155,3 +155,24 @@ def load_into(params: dict[str, torch.nn.Parameter], flat: dict[str, torch.Tenso
             else:  # a torchao tensor: its inner tensors (qdata, scale, zero_point)
                 for n in names:
                     getattr(p, n).copy_(getattr(new[k], n))
+
+
+def dequantize_(model: torch.nn.Module) -> torch.nn.Module:
+    """Every quantized weight of `model` replaced by its dequantized value as a plain frozen Parameter (a tied head
+    kept tied): the int8-rounded weights the client trained on, in a form every exporter reads. In place; returns
+    `model`."""
+    tied = model.get_output_embeddings() is not None and \
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if getattr(p, "tensor_data_names", None) is not None:
+                setattr(module, name, torch.nn.Parameter(p.dequantize(), requires_grad=False))
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    # and transformers' record of the quantized load, so that save_pretrained writes a plain model
+    for holder, attr in ((model.config, "quantization_config"), (model, "_weight_conversions")):
+        if hasattr(holder, attr):
+            delattr(holder, attr)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    return model

@@ -35,14 +35,20 @@ from ciders.workloads.client_side import ClientSide
 NODE_CONFIG, NODE_STUDENT = "experiment.yaml", "student.safetensors"  # in edge/
 
 
-def _edge_model(cfg: ExperimentConfig, edge: Path, meta: dict):
+def _edge_model(cfg: ExperimentConfig, edge: Path, meta: dict, plain: bool = False):
     """AdapEmu from the node's edge directory (models.edge), with the experiment's LoRA: (decomposition,
-    tokenizer with a pad token, whether the emulator weights are real)."""
+    tokenizer with a pad token, whether the emulator weights are real). `plain`: an int8 emulator dequantized
+    before the LoRA goes on (for an export: merging LoRA into torchao weights is not supported)."""
     from transformers import AutoTokenizer
 
     dev = resolve_device(cfg.model.device)
+    quantize = quantize_of(cfg, meta)
     model, loaded = me.load_edge(edge, dev, resolve_dtype(cfg.model.dtype, dev), cfg.model.attn_implementation,
-                                 quantize=quantize_of(cfg, meta))
+                                 quantize=quantize)
+    if plain and quantize != "none":
+        from ciders.models.edge_quant import dequantize_
+
+        dequantize_(model)
     d = me.edge_decompose(model, es.split_of(meta), cfg.lora.messenger, cfg.lora.student, cfg.seed, meta.get("model"))
     # the chat template is the server's code: every render is bounded (a hostile loop is an error, not a hang)
     tok = bound_chat_template(AutoTokenizer.from_pretrained(str(edge)))
@@ -90,7 +96,7 @@ def node_model(state: str | Path):
     st = codec.client_from_record(*rec) if rec else None
     if st is None or st.personalized is None:
         raise CidersError(f"{state}: {cid} keeps no personalized messenger (algorithm {cfg.algorithm.name})")
-    d, tok, _ = _edge_model(cfg, edge, json.loads((edge / es.META).read_text(encoding="utf-8")))
+    d, tok, _ = _edge_model(cfg, edge, json.loads((edge / es.META).read_text(encoding="utf-8")), plain=True)
     d.load_student(load_file(str(edge / NODE_STUDENT)))
     return d, tok, cfg, st.personalized, cid, rounds[-1]
 
