@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ciders.errors import PayloadError
+from ciders.errors import CidersError, PayloadError
 
 QUANTIZE = ("none", "int8")
 _EMBED, _LINEAR = "model.embed_tokens", "re:.+"
@@ -35,7 +35,8 @@ def _torchao():
     try:
         import torchao.quantization as q
     except ImportError as exc:  # pragma: no cover - a pinned requirement
-        raise PayloadError("federation.emulator_quantize needs torchao (requirements.txt)") from exc
+        raise CidersError("federation.emulator_quantize needs torchao: pip install torchao==0.18.0 "
+                          "(requirements.txt)") from exc
     return q
 
 
