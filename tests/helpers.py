@@ -1,5 +1,7 @@
 """Shared test helpers (importable as `helpers`: pytest pythonpath includes tests/)."""
 
+from pathlib import Path
+
 import torch
 
 ARCHS = ["tiny-qwen2", "tiny-llama"]
@@ -159,3 +161,16 @@ def run_dir_without_run(tmp_path):
     d.save_messenger(run / "adapters" / "messenger")
     d.save_student(run / "adapters" / "student")
     return run
+
+
+def edge_task_args() -> tuple[Path, list[str]]:
+    """(the vendored GSM8K slice, config overrides) of the small edge-client experiments: tiny-qwen2, 2 clients,
+    a few examples (tests/workloads/test_edge_task.py, test_edge_quantized.py)."""
+    from conftest import ROOT
+
+    slice_ = ROOT / "data" / "gsm8k-slice"
+    return slice_, ["model.name=tiny-qwen2", "model.device=cpu", "model.dtype=float32",
+                    "decomposition.messenger_layers=2", "decomposition.drop_ratio=0.5", "federation.clients=2",
+                    "data.public_limit=4", "data.eval_limit=2", "data.clients_limit=8", "data.max_length=64",
+                    f"data.public={slice_}/public.jsonl", f"data.eval={slice_}/eval.jsonl",
+                    f"data.clients={slice_}/clients.jsonl", "takd.teacher_cache=off", "algorithm.batch_size=2"]

@@ -17,14 +17,9 @@ from ciders.models import edge_quant as eq
 from ciders.models.edge_spec import WEIGHTS, write_spec
 from ciders.workloads.edge import EdgeTask
 from ciders.workloads.llm import LLMTask
-from conftest import ROOT
+from helpers import edge_task_args
 
-SLICE = ROOT / "data" / "gsm8k-slice"
-BASE = ["model.name=tiny-qwen2", "model.device=cpu", "model.dtype=float32", "decomposition.messenger_layers=2",
-        "decomposition.drop_ratio=0.5", "federation.clients=2", "data.public_limit=4", "data.eval_limit=2",
-        "data.clients_limit=8", "data.max_length=64", f"data.public={SLICE}/public.jsonl",
-        f"data.eval={SLICE}/eval.jsonl", f"data.clients={SLICE}/clients.jsonl", "takd.teacher_cache=off",
-        "algorithm.batch_size=2"]
+SLICE, BASE = edge_task_args()
 Q = BASE + ["federation.emulator_quantize=int8"]
 
 
@@ -168,3 +163,23 @@ def test_an_int8_node_exports_its_personalized_model_by_itself(server, tmp_path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(v.dtype == torch.float32 for v in a.values())
     assert "quantization_config" not in (tmp_path / "out-node" / "config.json").read_text()
+
+
+def test_a_bfloat16_int8_client_with_fd_steps_computes_in_float32_close_to_the_server(tmp_path):
+    """bfloat16 model, FD meta-gradient with FD Hessian-vector products: the messenger's evaluations run on float32
+    copies of the base (`MessengerLoss.compute_dtype`), the int8 head's included, after the first download too."""
+    args = [a for a in Q if a != "model.dtype=float32"] + ["model.dtype=bfloat16", "algorithm.metagrad=fd",
+                                                           "algorithm.hvp=fd"]
+    cfg = load_config(None, args)
+    s = LLMTask(cfg, tmp_path / "server", log=lambda s: None, edge_quantize="int8")
+    extra = s.downlink_extra(SimpleNamespace(student=s.d.student_state()))
+    write_spec(tmp_path / "node" / "edge", s.edge_spec())
+    task = EdgeTask(cfg, tmp_path / "node", "client1")
+    assert task.loss.compute_dtype == torch.float32
+    msg = {k: (torch.randn_like(v.float()) * 0.1).to(v.dtype) for k, v in s.initial_messenger().items()}
+    task.loss(msg, task.batches("client1", 0, 2, cfg.seed)[0])  # on the placeholder: its float32 copies made
+    task.begin_round(0, {"emulator": extra["emulator"], "student": extra["student"]})
+    s.begin_round(0, {"student": extra["student"]})
+    la = float(s.loss(msg, s.batches("client1", 0, 2, cfg.seed)[0]))
+    lb = float(task.loss(msg, task.batches("client1", 0, 2, cfg.seed)[0]))
+    assert la != lb and abs(la - lb) < 0.02 * abs(la)

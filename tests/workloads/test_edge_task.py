@@ -13,14 +13,9 @@ from ciders.errors import CidersError, ConfigError
 from ciders.models.edge_spec import write_spec
 from ciders.workloads.edge import EdgeTask
 from ciders.workloads.llm import LLMTask
-from conftest import ROOT
+from helpers import edge_task_args
 
-SLICE = ROOT / "data" / "gsm8k-slice"
-BASE = ["model.name=tiny-qwen2", "model.device=cpu", "model.dtype=float32", "decomposition.messenger_layers=2",
-        "decomposition.drop_ratio=0.5", "federation.clients=2", "data.public_limit=4", "data.eval_limit=2",
-        "data.clients_limit=8", "data.max_length=64", f"data.public={SLICE}/public.jsonl",
-        f"data.eval={SLICE}/eval.jsonl", f"data.clients={SLICE}/clients.jsonl", "takd.teacher_cache=off",
-        "algorithm.batch_size=2"]
+SLICE, BASE = edge_task_args()
 
 
 @pytest.fixture

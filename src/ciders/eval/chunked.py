@@ -103,17 +103,7 @@ def linear_kl_ce(hs: torch.Tensor, ht: torch.Tensor, weight: torch.Tensor, t_wei
     hidden states; heads weight / t_weight [V, H], no bias), targets [N] (IGNORE where ce_w is 0), weights [N].
     Only the first is differentiable. See `_LinearKLCE`."""
     rows = max(1, (chunk_elements or CHUNK_ELEMENTS) // weight.size(0))
-    w = plain(weight)
-    tw = w if t_weight is weight else plain(t_weight)  # linear_nll passes one head twice: dequantized once
-    return _LinearKLCE.apply(hs, ht.detach(), w, tw.detach(), targets, kl_w, ce_w, rows)
-
-
-def plain(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as a plain tensor: a quantized head (a torchao tensor on an edge client holding an int8 emulator,
-    docs/edge.md#a-quantized-emulator) dequantized once per call, not once per chunk."""
-    if type(weight) in (torch.Tensor, torch.nn.Parameter) or not hasattr(weight, "dequantize"):
-        return weight
-    return weight.dequantize()
+    return _LinearKLCE.apply(hs, ht.detach(), weight, t_weight.detach(), targets, kl_w, ce_w, rows)
 
 
 def plain_head(model: nn.Module) -> bool:

@@ -178,13 +178,19 @@ def _load_quantized(directory: Path, config: dict, mode: str, device: torch.devi
     return model
 
 
+def plain_names(state: dict) -> dict:
+    """The emulator's base weights under plain transformers names: PEFT's `<module>.base_layer.weight` of a
+    LoRA-wrapped layer is `<module>.weight` (what `from_pretrained` loads and `edge_quant` quantizes)."""
+    return {k.replace(".base_layer.", "."): v for k, v in state.items()}
+
+
 def save_edge_weights(d: Decomposition, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """The emulator's base weights as `model.safetensors` in plain transformers names (atomically), in `dtype`
     (the dtype they were received in: a bfloat16 download is stored as such, loaded in the model's dtype)."""
     from safetensors.torch import save_file
 
-    state = {k.replace(".base_layer.", "."): v.detach().to("cpu", dtype or v.dtype).contiguous()
-             for k, v in d.emulator_base_state().items()}
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous()
+             for k, v in plain_names(d.emulator_base_state()).items()}
     path = Path(directory) / WEIGHTS
     with atomic_path(path) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})

@@ -20,13 +20,14 @@ Only what a client receives and holds changes: the server's AdapEmu, B_L and TAK
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import torch
 
 from ciders.errors import CidersError, PayloadError
 
-QUANTIZE = ("none", "int8")
 _EMBED, _LINEAR = "model.embed_tokens", "re:.+"
 
 
@@ -48,7 +49,7 @@ def ao_config(mode: str):
     from transformers import TorchAoConfig
 
     if mode != "int8":
-        raise ValueError(f"no quantization config for {mode!r} (one of {', '.join(QUANTIZE[1:])})")
+        raise ValueError(f"no quantization config for {mode!r} (int8 only)")
     embed = q.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
     # the embedding first (fqns are tried in order), then every other module ("_default" is deprecated)
     return TorchAoConfig(q.FqnToConfig({_EMBED: embed, _LINEAR: q.Int8WeightOnlyConfig()}),
@@ -82,10 +83,22 @@ def _flat(model: torch.nn.Module, names: list[str]) -> tuple[dict, dict]:
     return flatten_tensor_state_dict({n: params[n].data for n in names})
 
 
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether `t` is a torchao quantized tensor (it has inner tensors: qdata, scale, ...)."""
+    return getattr(t, "tensor_data_names", None) is not None
+
+
 def reference(config: dict, mode: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What a quantized download of `config`'s model holds (name -> meta tensor: shape and dtype), and the torchao
-    metadata the client stores with it: both from the model built on the meta device, nothing received."""
-    model = _skeleton(config, dtype)
+    metadata the client stores with it: both from the model built on the meta device, nothing received. Built
+    once per (config, mode, dtype) in a process (load_edge and the client's download check both need it); the
+    caller does not modify what it returns."""
+    return _reference(json.dumps(config, sort_keys=True), mode, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _reference(config_json: str, mode: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    model = _skeleton(json.loads(config_json), dtype)
     names = [n for n, _ in model.named_parameters()]  # tied weights once: the emulator's own names
     _quantize(model, mode)
     return _flat(model, names)
@@ -150,11 +163,10 @@ def load_into(params: dict[str, torch.nn.Parameter], flat: dict[str, torch.Tenso
                            f"weights, {len(left)} tensors left over)")
     with torch.no_grad():
         for k, p in params.items():
-            names = getattr(p, "tensor_data_names", None)
-            if names is None:
+            if not is_quantized(p):
                 p.copy_(new[k])
             else:  # a torchao tensor: its inner tensors (qdata, scale, zero_point)
-                for n in names:
+                for n in p.tensor_data_names:
                     getattr(p, n).copy_(getattr(new[k], n))
 
 
@@ -166,7 +178,7 @@ def dequantize_(model: torch.nn.Module) -> torch.nn.Module:
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            if getattr(p, "tensor_data_names", None) is not None:
+            if is_quantized(p):
                 setattr(module, name, torch.nn.Parameter(p.dequantize(), requires_grad=False))
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight

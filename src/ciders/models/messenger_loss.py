@@ -30,10 +30,11 @@ from torch.func import functional_call
 
 from ciders.core.metagrad import second_order
 from ciders.core.tensors import State
-from ciders.eval.chunked import linear_nll, plain, plain_head
+from ciders.eval.chunked import linear_nll, plain_head
 from ciders.eval.metrics import token_nll_at
 from ciders.eval.metrics import target_positions as loss_positions
 from ciders.models.decompose import MESSENGER, Decomposition
+from ciders.models.edge_quant import is_quantized
 
 
 class MessengerLoss:
@@ -43,7 +44,7 @@ class MessengerLoss:
         self.compute_dtype = compute_dtype
         self._cast: tuple[tuple, State] | None = None  # (key of the source weights, their copies)
         self._head_name: str | None = None
-        self._plain_head: torch.Tensor | None = None  # a quantized head, dequantized once (`reset_head`)
+        self._plain_head: tuple | None = None  # (a quantized head, its dequantized copy): `reset_head`
 
     def base_weights(self) -> State:
         """The messenger_top weights the loss needs besides the LoRA state, in `compute_dtype` ({} when
@@ -92,14 +93,17 @@ class MessengerLoss:
         if self._head_name is None:  # the canonical name (a tied head is the embedding's), looked up once
             self._head_name = next(n for n, p in self.d.messenger_top.named_parameters() if p is w)
         got = weights.get(self._head_name, w)
-        if got is w and type(w) not in (torch.Tensor, torch.nn.Parameter):  # a frozen int8 head (models.edge_quant)
-            if self._plain_head is None:  # 0.18 s per dequantization for SmolLM2's, as long as the step itself
-                self._plain_head = plain(w).detach()
-            return self._plain_head
-        return got
+        if not is_quantized(got):
+            return got
+        # a frozen int8 head (models.edge_quant; as held, or its compute_dtype copy): the chunked head multiplies by
+        # a plain matrix, dequantized once (0.18 s for SmolLM2's, as long as a whole loss and gradient)
+        if self._plain_head is None or self._plain_head[0] is not got:
+            self._plain_head = (got, got.dequantize().detach())
+        return self._plain_head[1]
 
     def reset_head(self) -> None:
-        """Forget the dequantized head: its int8 weights were replaced (an edge client's first download)."""
+        """Forget the dequantized head: the int8 weights it came from were replaced in place (an edge client's first
+        download, `edge_quant.load_into`). The compute_dtype copies need no reset: their key sees the change."""
         self._plain_head = None
 
     def __call__(self, params: State, batch: dict) -> torch.Tensor:

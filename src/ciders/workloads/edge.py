@@ -180,8 +180,7 @@ class EdgeTask(ClientSide):
             from ciders.models import edge_quant as eq
 
             _, metadata = self._quantized_reference()
-            base = {k.replace(".base_layer.", "."): p for k, p in self.d.emulator_base_params().items()}
-            eq.load_into(base, downlink_extra["emulator"], metadata)
+            eq.load_into(me.plain_names(self.d.emulator_base_params()), downlink_extra["emulator"], metadata)
             self.loss.reset_head()
             eq.save_quantized(self.edge_dir / es.WEIGHTS, downlink_extra["emulator"], metadata)
             self.loaded = True

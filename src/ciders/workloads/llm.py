@@ -146,9 +146,9 @@ class LLMTask(ClientSide):
         if self.edge_quantize != "none":
             if self._quantized is None:  # the base weights are frozen: quantized once per run
                 from ciders.models import edge_quant
+                from ciders.models.edge import plain_names
 
-                plain = {k.replace(".base_layer.", "."): v for k, v in emu.items()}
-                self._quantized = edge_quant.quantize_state(self.d.adapemu.config.to_dict(), plain,
+                self._quantized = edge_quant.quantize_state(self.d.adapemu.config.to_dict(), plain_names(emu),
                                                             self.edge_quantize)
             return {"student": extra.student, "emulator": self._quantized}
         if self.edge_dtype is not None:
