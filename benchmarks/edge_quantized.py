@@ -17,14 +17,14 @@ and the int8 - none differences paired by seed (mean and the half-width of a 95%
 --json keys: baseline_mib, modes.*.first_contact_mib, modes.*.client_peak_rss_mib, modes.*.compute_s,
 modes.*.server_nll, modes.*.edge_nll, diff.*.mean, diff.*.ci95
 
-    python benchmarks/edge_quantized.py [--model smollm2-135m] [--seeds 0,1,2] [--rounds 3] [--lr 1e-3] [--json] [--smoke]
+    python benchmarks/edge_quantized.py [--model smollm2-135m] [--seeds 0,1,2] [--rounds 3] [--lr 1e-3]
+                                        [--json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -35,7 +35,7 @@ from common import ROOT, add_output_flags, emit, smoke
 from edge_client import CONFIG, deploy, model_dir
 
 MODES = ("none", "int8")
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # two-sided 95% t quantiles by degrees of freedom
+KEYS = ("first_contact_mib", "client_peak_rss_mib", "compute_s", "server_nll", "edge_nll")
 BASELINE = ("import resource, torch, transformers, flwr, ciders.workloads.edge, ciders.models.edge_quant; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
 
@@ -81,10 +81,10 @@ def edge_nll(nodes: Path, out: Path) -> float:
 
 
 def paired(rows: dict, key: str) -> dict:
-    d = [q[key] - n[key] for n, q in zip(rows["none"], rows["int8"])]
-    m = statistics.fmean(d)
-    half = T95[len(d) - 1] * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-    return {"mean": m, "ci95": half}
+    """int8 - none per seed: mean and the half-width of its 95% t interval (`eval.stats.mean_ci95`)."""
+    from ciders.eval.stats import mean_ci95
+
+    return mean_ci95([q[key] - n[key] for n, q in zip(rows["none"], rows["int8"])])
 
 
 def main() -> None:
@@ -106,20 +106,19 @@ def main() -> None:
         for s in seeds:  # seed-major: both modes of a seed back to back, so a machine's drift cancels in the pairs
             for m in MODES:
                 rows[m].append(run_once(mdir, Path(t), m, s, a))
-    keys = ("first_contact_mib", "client_peak_rss_mib", "compute_s", "server_nll", "edge_nll")
-    res["modes"] = {m: {k: statistics.fmean(r[k] for r in rows[m]) for k in keys} for m in MODES}
+    res["modes"] = {m: {k: statistics.fmean(r[k] for r in rows[m]) for k in KEYS} for m in MODES}
     res["runs"] = rows
-    res["diff"] = {k: paired(rows, k) for k in keys}
+    res["diff"] = {k: paired(rows, k) for k in KEYS}
     emit(res, a.json, lambda: report(res))
 
 
 def report(res: dict) -> None:
     n, q = res["modes"]["none"], res["modes"]["int8"]
-    print(f"{res['model']}, {len(res['seeds'])} seeds, {res['rounds']} rounds of {res['steps']} steps at lr {res['lr']:g}; "
-          f"a client process that loads nothing: "
+    print(f"{res['model']}, {len(res['seeds'])} seeds, {res['rounds']} rounds of {res['steps']} steps at lr "
+          f"{res['lr']:g}; a client process that loads nothing: "
           f"{res['baseline_mib']:.0f} MiB")
     print(f"{'':22}{'none':>10}{'int8':>10}{'int8 - none (95% CI)':>28}")
-    for k in ("first_contact_mib", "client_peak_rss_mib", "compute_s", "server_nll", "edge_nll"):
+    for k in KEYS:
         d = res["diff"][k]
         print(f"{k:22}{n[k]:10.4f}{q[k]:10.4f}{d['mean']:+16.4f} +- {d['ci95']:.4f}")
     print(f"int8 first download / fp32: {q['first_contact_mib'] / n['first_contact_mib']:.3f}")

@@ -111,7 +111,7 @@ def test_a_huge_upload_is_refused_by_the_engine_and_the_run_goes_on(tmp_path, mo
     def huge(upmsg, ref):
         up = codec.decode_upload(upmsg, ref)
         return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
-                                            {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
+                                              {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
 
     monkeypatch.setattr(loop, "_nan_upload", huge)
     cfg = vec_cfg("federation.per_round=null", f"federation.max_step_ratio={ratio}")
@@ -134,7 +134,8 @@ def test_reconstruction_through_the_engine_equals_the_client_displacement(tmp_pa
     # with tau = 1 and no correction the new global messenger is FedAvg of the personalized ones
     cs, _ = stores(out)
     tensors, meta = RunDir(out).load_checkpoint(4)
-    w = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"]).messenger
+    w = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
+                                 meta["server"]).messenger
     sizes = VectorTask(5).clients()
     xs = [(sizes[c] / sum(sizes.values()), codec.client_from_record(*cs.get(c)).personalized) for c in sorted(sizes)]
     assert max_abs_diff(w, lincomb(xs)) < 1e-12
@@ -151,7 +152,7 @@ def test_a_median_run_completes_and_records_its_aggregator(tmp_path, monkeypatch
     def huge(upmsg, ref):
         up = codec.decode_upload(upmsg, ref)
         return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
-                                            {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
+                                              {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
 
     monkeypatch.setattr(loop, "_nan_upload", huge)
     cfg = vec_cfg("federation.per_round=null", "federation.rounds=2", "federation.max_step_ratio=null",

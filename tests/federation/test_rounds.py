@@ -15,7 +15,7 @@ def test_only_valid_uploads_of_sampled_clients_reach_the_server(tmp_path):
     a, b, c = rnd.sampled
     nan = codec.decode_upload(ups[c][0], ref)
     nan = codec.encode_upload(alg.Upload(nan.client_id, nan.round, nan.base_version,
-                                       {k: torch.full_like(v, float("nan")) for k, v in nan.dc.items()}))[0]
+                                         {k: torch.full_like(v, float("nan")) for k, v in nan.dc.items()}))[0]
     replies = [Reply(b, ups[a][0], ups[b][1]),  # b's node sends a's upload: claims another id
                Reply(a, *ups[a]),  # fine (arrives after b, is taken in sampling order)
                Reply(c, nan, ups[c][1]),  # not finite

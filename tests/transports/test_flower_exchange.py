@@ -178,13 +178,13 @@ def test_bad_replies_are_rejected_logged_and_change_nothing(tmp_path):
     def wrong_dtype(m, up, rec):
         u = codec.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
         bad = codec.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
-                                           {"x": u.dc["x"].float()}))[0]
+                                             {"x": u.dc["x"].float()}))[0]
         return _with_payload(bad)(m, up, rec)
 
     def nan(m, up, rec):
         u = codec.decode_upload(up, {"x": torch.zeros(8, dtype=torch.float64)})
         bad = codec.encode_upload(alg.Upload(u.client_id, u.round, u.base_version,
-                                           {"x": torch.full_like(u.dc["x"], float("nan"))}))[0]
+                                             {"x": torch.full_like(u.dc["x"], float("nan"))}))[0]
         return _with_payload(bad)(m, up, rec)
 
     def impostor(m, up, rec):  # c0003's node says it is c0000

@@ -175,4 +175,4 @@ def _nan_upload(upmsg: bytes, ref: dict) -> bytes:
     """Faults.corrupt for CIDERS: the same upload with a NaN increment (the finite check must reject it)."""
     up = codec.decode_upload(upmsg, ref)
     return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
-                                        {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))[0]
+                                          {k: torch.full_like(v, float("nan")) for k, v in up.dc.items()}))[0]

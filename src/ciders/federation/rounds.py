@@ -241,7 +241,7 @@ class Coordinator:
             self.log(f"  removed {n} records of the interrupted round {committed + 1}")
         tensors, meta = self.run.load_checkpoint(committed)
         server = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
-                                        meta["server"])
+                                          meta["server"])
         extra = self.task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")},
                                             meta["extra"])
         # a resume that extends federation.rounds: the lr schedule is over the new total (rundir.SCHEDULES)
