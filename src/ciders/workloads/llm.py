@@ -335,7 +335,9 @@ def render(summary: dict) -> str:
     lines.append(f"  global messenger, global eval ({g0['tokens']} tok)".ljust(48) + f"{cell(g0)}   {cell(g1)}")
     for cid, row in sorted((after.get("clients") or before.get("clients") or {}).items()):
         b = before.get("clients", {}).get(cid, {})
-        lines.append(f"  {cid} global messenger ({row['global']['tokens']} tok)".ljust(48)
+        # a method without a global messenger after training (LocalOT) has only the personalized row after
+        tok = (row.get("global") or b.get("global") or row.get("personalized") or {}).get("tokens", "?")
+        lines.append(f"  {cid} global messenger ({tok} tok)".ljust(48)
                      + f"{cell(b.get('global'))}   {cell(row.get('global'))}")
         lines.append(f"  {cid} personalized messenger".ljust(48) + f"{cell(None)}   {cell(row.get('personalized'))}")
     mib = summary["mib"]
