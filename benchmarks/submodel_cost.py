@@ -1,6 +1,6 @@
 """What a client's sub-model costs at each capacity R, measured on the extracted sub-model through the real client
 phases (docs/rabo.md#sub-model-masks): Omniglot few-shot, RABO's importance extraction, one inner and one outer phase
-per client (`federation.bilevel_rounds.client_phase`), interleaved, medians of `--repeats`. Per capacity, relative to
+per client (`federation.bilevel_client.client_phase`), interleaved, medians of `--repeats`. Per capacity, relative to
 R = 1 (the full model, FedMBO's client):
 
   flops      forward FLOPs per example of the sub-model, counted from its shapes (`task.flops`)
@@ -28,7 +28,8 @@ from dataclasses import replace
 import torch
 
 from ciders.config import load_experiment
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase
+from ciders.federation.bilevel_client import client_phase
+from ciders.federation.bilevel_rounds import BilevelServer
 from ciders.workloads.bilevel import build
 from common import ROOT, add_output_flags, emit, interleaved_medians, smoke_fewshot
 

@@ -174,3 +174,30 @@ def edge_task_args() -> tuple[Path, list[str]]:
                     "data.public_limit=4", "data.eval_limit=2", "data.clients_limit=8", "data.max_length=64",
                     f"data.public={slice_}/public.jsonl", f"data.eval={slice_}/eval.jsonl",
                     f"data.clients={slice_}/clients.jsonl", "takd.teacher_cache=off", "algorithm.batch_size=2"]
+
+
+def bilevel_exp(method="rabo", rounds=2, **rabo):
+    """A small RABO-family experiment for QuadTask: 3 clients, 2 inner steps, the method's registry settings."""
+    from dataclasses import replace
+
+    from ciders.algorithms.registry import bilevel_config
+    from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
+
+    base = BilevelExperiment(federation=BilevelFederationConfig(clients=3, rounds=rounds))
+    base = replace(base, rabo=replace(base.rabo, inner_steps=2, beta=0.1, alpha=0.1, solver_iters=8, **rabo),
+                   fedmeta=replace(base.fedmeta, local_steps=2, lr=0.05, inner_lr=0.1))
+    return bilevel_config(base, method)
+
+
+def event_scalars(directory):
+    """(the accumulator, {step: {tag: value}}) of the TensorBoard event files in `directory`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    got: dict[int, dict[str, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        for e in acc.Scalars(tag):
+            assert tag not in got.get(e.step, {}), f"{tag} written twice at step {e.step}"
+            got.setdefault(e.step, {})[tag] = e.value
+    return acc, got

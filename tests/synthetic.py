@@ -129,13 +129,21 @@ def one_round(tmp_path):
     ref = task.initial_messenger()
     state = RunState(-1, alg.init_server(ref, cfg.federation.rounds), None, frozenset())
     sampled = tuple(task.ids[:3])
-    rnd = InFlight(0, sampled, 0.0, {}, next=state)
+    rnd = InFlight(0, sampled, {}, next=state)
     store = RoundStore(tmp_path, -1)
     ups = {}
     for cid in sampled:
         msg, _, _ = broadcast_message(cfg.algorithm, state, alg.init_copy(ref), cid, {}, set())
         ups[cid] = client_round(cfg, task, store, cid, msg, {})
     return cfg, task, ref, rnd, ups
+
+
+def checked_uploads(cfg, ref, known, rnd, replies):
+    """`check_uploads` of a train phase's deliveries as the round loop hands them over (`exchange.admit`)."""
+    from ciders.federation.exchange import admit
+    from ciders.federation.rounds import check_uploads
+
+    return check_uploads(cfg.algorithm, ref, known, rnd.t, rnd.sampled, admit(replies, rnd.sampled, "train", rnd.t), {})
 
 
 def client_uploads(c, server, copies, states, ids, fns):

@@ -84,7 +84,7 @@ def test_every_implementation_a_doc_names_exists(doc):
 
 
 def test_the_check_finds_a_renamed_function():
-    para = ("**Code.** `server_update` and `no_such_update` in `src/ciders/algorithms/ciders.py`; `Coordinator.absorb` "
+    para = ("**Code.** `server_update` and `no_such_update` in `src/ciders/algorithms/ciders.py`; `Coordinator.aggregate` "
             "and `takd` in `src/ciders/federation/rounds.py`; `configure` in `src/ciders/algorithms/fedavg.py` and "
             "`src/ciders/algorithms/dist_maml.py`")
     assert [missing(n, p) for n, p in claims(para)] == [["no_such_update"], ["takd"], [], ["configure"]]

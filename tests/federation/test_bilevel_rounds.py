@@ -9,7 +9,7 @@ import torch
 
 from ciders.algorithms import dist_maml, fedmeta
 from ciders.algorithms import rabo as rb
-from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
+from ciders.config.bilevel import BilevelExperiment
 from ciders.core.tensors import equal
 from ciders.core import submodel as sm
 from ciders.core.wire import decode, encode
@@ -17,16 +17,10 @@ from ciders.federation.bilevel_loop import in_process, run_bilevel
 from ciders.errors import CidersError, ConfigError
 from ciders.federation.inprocess import Faults
 from ciders.algorithms.registry import bilevel_config as method_config
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase, client_record, kept_fraction
+from ciders.federation.bilevel_client import client_phase
+from ciders.federation.bilevel_rounds import BilevelServer, client_record, kept_fraction
 from ciders.fileio import read_jsonl
-from helpers import QuadTask
-
-
-def exp_for(method="rabo", rounds=2, **rabo):
-    base = BilevelExperiment(federation=BilevelFederationConfig(clients=3, rounds=rounds))
-    base = replace(base, rabo=replace(base.rabo, inner_steps=2, beta=0.1, alpha=0.1, solver_iters=8, **rabo),
-                   fedmeta=replace(base.fedmeta, local_steps=2, lr=0.05, inner_lr=0.1))
-    return method_config(base, method)
+from helpers import QuadTask, bilevel_exp as exp_for
 
 
 def direct_round(exp, task, state, drop=()):

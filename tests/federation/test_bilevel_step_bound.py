@@ -21,7 +21,8 @@ from ciders.core import submodel as sm
 from ciders.core.tensors import equal, norm
 from ciders.core.wire import encode
 from ciders.federation import bilevel_loop as bl
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase
+from ciders.federation.bilevel_client import client_phase
+from ciders.federation.bilevel_rounds import BilevelServer
 from ciders.federation.inprocess import Faults
 from ciders.federation.loop import SimulatedCrash
 from ciders.federation.rundir import RunDir
@@ -95,7 +96,7 @@ def _run(exp, task, attack):
     out = []
     for q in range(exp.federation.rounds):
         server.begin(q)
-        for phase in server.phases:
+        for phase in server.phases(0):
             ids = [i for i in server.participants(phase) if not (attack and i == EVIL)]
             replies = {i: client_phase(exp, task, phase, i, server.down(phase, i), scratch[i])[0] for i in ids}
             if attack:
@@ -103,7 +104,7 @@ def _run(exp, task, attack):
                 replies = {EVIL: _evil_reply(server, phase, b, u), **replies}
             rejected = server.absorb(phase, replies)
             assert EVIL not in rejected
-        server.finish()
+        server.close_round()
         out.append(server.state)
     return out
 
@@ -122,7 +123,7 @@ def _drifts(exp, task):
     honest, attacked = _run(exp, task, False), _run(exp, task, True)
     both = [rb.joined(s.x, s.y) for s in honest]
     d = [norm({k: v - h[k] for k, v in rb.joined(a.x, a.y).items()}) for a, h in zip(attacked, both)]
-    phases = BilevelServer(exp, task, log=lambda s: None).phases
+    phases = BilevelServer(exp, task, log=lambda s: None).phases(0)
     return d, [x / norm(h) for x, h in zip(d, both)], _per_round(honest[0], phases)
 
 
@@ -191,8 +192,8 @@ def test_the_reference_is_fixed_saved_and_loaded(tmp_path):
     rd = RunDir(tmp_path / "cut")
     tensors, meta = rd.load_checkpoint(2)
     assert meta["ref_norm"] == x0y0  # exact: a float survives JSON
-    resumed = bl.BilevelRounds(exp, task, tmp_path / "cut", resume=True, log=lambda s: None)
-    s = resumed.server.state
+    resumed = BilevelServer(exp, task, out=tmp_path / "cut", resume=True, log=lambda s: None)
+    s = resumed.state
     assert s.round == 3 and s.ref == x0y0 and rb.ref_norms(s.x, s.y) != x0y0  # the state moved, the reference did not
     bl.run_bilevel(exp, task, tmp_path / "cut", resume=True, log=lambda s: None)
     final = "final.safetensors"
@@ -203,7 +204,7 @@ def test_the_reference_is_fixed_saved_and_loaded(tmp_path):
         bl.run_bilevel(exp, task, tmp_path / "old", log=lambda s: None, faults=Faults(crash=(2, "commit")))
     d = RunDir(tmp_path / "old").ckpt / "round_000003" / "state.json"
     d.write_text(json.dumps({k: v for k, v in meta.items() if k != "ref_norm"}))
-    old = bl.BilevelRounds(exp, task, tmp_path / "old", resume=True, log=lambda s: None).server.state
+    old = BilevelServer(exp, task, out=tmp_path / "old", resume=True, log=lambda s: None).state
     assert old.ref == rb.ref_norms(old.x, old.y) and equal(old.x, {k: tensors[f"x/{k}"] for k in old.x})
     bl.run_bilevel(exp, task, tmp_path / "old", resume=True, log=lambda s: None)
     assert RunDir(tmp_path / "old").load_checkpoint(4)[1]["ref_norm"] == old.ref

@@ -11,10 +11,9 @@ from ciders.federation import records
 from ciders.federation.bilevel_loop import run_bilevel
 from ciders.federation.exchange import Reply
 from ciders.federation.inprocess import InProcess
-from ciders.federation.rounds import check_uploads
 from ciders.fileio import read_jsonl
 
-from synthetic import one_round
+from synthetic import checked_uploads, one_round
 
 
 @pytest.mark.parametrize("bad", [
@@ -28,7 +27,7 @@ from synthetic import one_round
 def test_a_record_that_does_not_fit_rejects_the_reply(tmp_path, bad):
     cfg, task, ref, rnd, ups = one_round(tmp_path)
     a, b, _ = rnd.sampled
-    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd,
+    checked = checked_uploads(cfg, ref, task.clients(), rnd,
                             [Reply(a, ups[a][0], {**ups[a][1], **bad}), Reply(b, *ups[b])])
     assert [u.client_id for u in checked.uploads] == [b] and "client record" in checked.rejected[a]
     assert [r["client"] for r in checked.client_records] == [b]
@@ -38,7 +37,7 @@ def test_the_server_writes_its_own_fields_after_the_clients(tmp_path):
     cfg, task, ref, rnd, ups = one_round(tmp_path)
     a = rnd.sampled[0]
     rec = {**ups[a][1], "client": "someone-else", "round": 99}
-    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, [Reply(a, ups[a][0], rec)])
+    checked = checked_uploads(cfg, ref, task.clients(), rnd, [Reply(a, ups[a][0], rec)])
     r = checked.client_records[0]
     assert (r["event"], r["client"], r["round"], r["bytes_up"]) == ("client", a, 0, len(ups[a][0]))
 
@@ -66,7 +65,7 @@ def test_bilevel_records_from_clients_cannot_inflate_totals_or_spoof_fields(tmp_
 
     from ciders.algorithms.registry import bilevel_config
     from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
-    from ciders.federation.bilevel_rounds import client_phase
+    from ciders.federation.bilevel_client import client_phase
 
     base = BilevelExperiment(federation=BilevelFederationConfig(clients=3, rounds=1))
     exp = bilevel_config(replace(base, rabo=replace(base.rabo, inner_steps=2, solver_iters=4)), "rabo")

@@ -7,8 +7,7 @@ from ciders.algorithms import ciders as alg
 from ciders.federation import codec
 from ciders.config import load_config
 from ciders.federation.exchange import Reply
-from ciders.federation.rounds import check_uploads
-from synthetic import VEC, VectorTask, one_round
+from synthetic import VEC, VectorTask, checked_uploads, one_round
 
 def test_only_valid_uploads_of_sampled_clients_reach_the_server(tmp_path):
     cfg, task, ref, rnd, ups = one_round(tmp_path)
@@ -21,10 +20,10 @@ def test_only_valid_uploads_of_sampled_clients_reach_the_server(tmp_path):
                Reply(c, nan, ups[c][1]),  # not finite
                Reply(task.ids[3], ups[a][0], {}),  # never sampled this round
                Reply(c, b"", {}, kind="copy", rejected="not one flat uint8 array")]
-    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
+    checked = checked_uploads(cfg, ref, task.clients(), rnd, replies)
     assert [u.client_id for u in checked.uploads] == [a]
     assert "claims to be from" in checked.rejected[b] and "NaN" in checked.rejected[c]
-    assert "not sampled in round 0" in checked.rejected[task.ids[3]]
+    assert "sent no train message in round 0" in checked.rejected[task.ids[3]]
     assert [r["bytes_up"] for r in checked.client_records] == [len(ups[a][0]), len(ups[a][0]), len(ups[c][0])]
 
 
@@ -32,7 +31,7 @@ def test_client_errors_and_transport_rejections_are_kept_with_their_reason(tmp_p
     cfg, task, ref, rnd, ups = one_round(tmp_path)
     a, b, c = rnd.sampled
     replies = [Reply(a, error="ClientApp raised ValueError"), Reply(b, rejected="unreadable record"), Reply(c, *ups[c])]
-    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
+    checked = checked_uploads(cfg, ref, task.clients(), rnd, replies)
     assert checked.rejected == {a: "client error: ClientApp raised ValueError", b: "unreadable record"}
     assert [u.client_id for u in checked.uploads] == [c] and len(checked.client_records) == 1
 
@@ -44,7 +43,7 @@ def test_late_and_duplicated_deliveries_are_checked_by_their_content(tmp_path):
     a, b, _ = rnd.sampled
     replies = [Reply(b, *ups[b]), Reply(a, ups[a][0], {}, kind="late"), Reply(b, ups[b][0], {}, kind="copy"),
                Reply(a, b"garbage", {}, kind="copy")]
-    checked = check_uploads(cfg.algorithm, ref, task.clients(), rnd, replies)
+    checked = checked_uploads(cfg, ref, task.clients(), rnd, replies)
     assert [u.client_id for u in checked.uploads] == [a, b, b]
     assert len(checked.client_records) == 1 and list(checked.rejected) == ["#0"]
 
@@ -53,7 +52,7 @@ def test_a_late_or_copied_upload_of_an_unregistered_client_is_rejected(tmp_path)
     cfg, task, ref, rnd, ups = one_round(tmp_path)
     a, b, c = rnd.sampled
     known = {a: 10, b: 10}  # c is not registered with this server
-    checked = check_uploads(cfg.algorithm, ref, known, rnd, [Reply(a, *ups[a]), Reply(c, ups[c][0], {}, kind="copy")])
+    checked = checked_uploads(cfg, ref, known, rnd, [Reply(a, *ups[a]), Reply(c, ups[c][0], {}, kind="copy")])
     assert [u.client_id for u in checked.uploads] == [a] and checked.rejected == {c: "unknown client id"}
 
 

@@ -18,6 +18,7 @@ from ciders.federation.loop import Faults, run_federation
 from ciders.federation.sinks import MIB, stream_scalars
 from ciders.fileio import read_jsonl
 from ciders.config import load_config
+from helpers import event_scalars
 from synthetic import VectorTask
 
 VEC = ["federation.clients=5", "federation.rounds=4", "federation.per_round=3", "algorithm.local_steps=3",
@@ -35,19 +36,6 @@ def run_vec(out, faults=None, resume=False, cfg=None):
 
 def rows_of(out):
     return read_jsonl(out / "metrics.jsonl")
-
-
-def event_scalars(directory):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    got: dict[int, dict[str, float]] = {}
-    for tag in acc.Tags()["scalars"]:
-        for e in acc.Scalars(tag):
-            assert tag not in got.get(e.step, {}), f"{tag} written twice at step {e.step}"
-            got.setdefault(e.step, {})[tag] = e.value
-    return acc, got
 
 
 def assert_same(got: dict, expected: dict) -> None:

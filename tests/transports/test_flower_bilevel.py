@@ -104,7 +104,7 @@ def test_bad_flower_replies_are_rejected_and_logged(tmp_path, quad):
     run_bilevel(exp, quad, tmp_path / "lost", log=lambda s: None, exchange=in_process(exp, quad, Faults(drop=drop)))
     assert (tmp_path / "flower" / "final.safetensors").read_bytes() == (tmp_path / "lost" / "final.safetensors").read_bytes()
     assert any("client1" in line and "claims to be from 'client0'" in line for line in logs)
-    assert any("client0 failed (ClientApp raised ValueError)" in line for line in logs)
+    assert any("client0: client error: ClientApp raised ValueError" in line for line in logs)
     assert any("client2" in line and "JSON object" in line for line in logs)
     rounds = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
     assert [r["inner_clients"] for r in rounds if r["event"] == "round"] == [["client0", "client2"], ["client0", "client1"]]
@@ -112,7 +112,8 @@ def test_bad_flower_replies_are_rejected_and_logged(tmp_path, quad):
 
 def test_the_outer_phase_without_this_rounds_inner_phase_is_refused(tmp_path, quad):
     from ciders.core.wire import PayloadError
-    from ciders.federation.bilevel_rounds import BilevelServer, client_phase
+    from ciders.federation.bilevel_client import client_phase
+    from ciders.federation.bilevel_rounds import BilevelServer
 
     exp = exp_for("rabo")
     server = BilevelServer(exp, quad, log=lambda s: None)

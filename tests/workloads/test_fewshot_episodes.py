@@ -10,7 +10,8 @@ from ciders.algorithms import rabo as rb
 from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
 from ciders.core import submodel as sm
 from ciders.core.wire import decode
-from ciders.federation.bilevel_rounds import BilevelServer, client_phase
+from ciders.federation.bilevel_client import client_phase
+from ciders.federation.bilevel_rounds import BilevelServer
 from ciders.runtime import derive_seed
 from ciders.tasks import omniglot as om
 from ciders.workloads.bilevel import FewShotTask

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ciders.config.federation import RunFederation
 from ciders.config.fields import opt, section  # noqa: F401 - re-exported: every section module uses them
 from ciders.config.privacy import DPConfig, SecAggConfig
 from ciders.errors import ConfigError
@@ -410,8 +411,9 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
-class FederationConfig:
-    clients: int = opt(3, "number of registered clients N")
+class FederationConfig(RunFederation):
+    """The CIDERS family's federation keys (the shared ones: `config.federation.RunFederation`)."""
+
     partition: Literal["iid", "natural", "dirichlet", "files", "nodes"] = opt(
         "iid", "how client data is dealt: iid = a seeded even split; natural = one label (e.g. domain) per "
         "client; dirichlet = over the label column; files = custom task, data.client_files[i] is client i; "
@@ -426,15 +428,7 @@ class FederationConfig:
     rounds: int = opt(3, "T: communication rounds")
     eval_every: int = opt(1, "evaluate every N rounds (0 = only before the first and after the last)")
     eval_clients: Literal["all", "participants"] = opt("all", "whose personalized messengers to evaluate")
-    checkpoint_keep: int = opt(2, "checkpoints kept in the run directory")
     store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
-    tensorboard: bool = opt(False, "also mirror metrics.jsonl's scalars to OUT/tensorboard (needs `tensorboard`): "
-                            "per-client figures as mean / p10 / p90, the config as hparams and text")
-    tracking: Literal["none", "mlflow"] = opt(
-        "none", "also log the run's scalars and config to an MLflow run (needs `mlflow` or `mlflow-skinny`: "
-        "pip install 'ciders[mlflow]')")
-    tracking_uri: str | None = opt(None, "federation.tracking: mlflow: the MLflow tracking URI (a server, "
-                                         "sqlite:///FILE, file:DIR); null = a SQLite file OUT/mlflow.db")
     emulator_dtype: Literal["model", "float32", "bfloat16", "float16"] = opt(
         "model", "Flower engines: dtype of the emulator's base weights in a client's first download: model = as the server holds "
         "them (lossless); bfloat16 halves an fp32 download, rounding B_L and P_M (measured in "
@@ -460,10 +454,7 @@ class FederationConfig:
 
     def validate(self) -> None:
         check_choices(self, "federation")
-        if self.clients < 1:
-            raise ConfigError(f"federation.clients: must be >= 1, got {self.clients}")
-        if self.rounds < 1:
-            raise ConfigError(f"federation.rounds: must be >= 1, got {self.rounds}")
+        self.validate_shared()
         if self.per_round is not None and not 1 <= self.per_round <= self.clients:
             raise ConfigError(f"federation.per_round: must be in [1, clients={self.clients}] or null, got {self.per_round}")
         if not 0 <= self.holdout < 1:
@@ -471,7 +462,7 @@ class FederationConfig:
         if not 0 <= self.validation < 1 or self.holdout + self.validation >= 1:
             raise ConfigError(f"federation.validation: must be in [0, 1) with holdout + validation < 1 (something "
                               f"must be left to train on), got {self.validation} with holdout {self.holdout}")
-        for k in ("eval_every", "checkpoint_keep", "store_cache"):
+        for k in ("eval_every", "store_cache"):
             if getattr(self, k) < (0 if k == "eval_every" else 1):
                 raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
         if self.dirichlet_alpha <= 0:
@@ -480,12 +471,15 @@ class FederationConfig:
             raise ConfigError(f"federation.emulator_quantize={self.emulator_quantize} sends the scales and norms in the "
                               f"model's dtype: set federation.emulator_dtype: model (got {self.emulator_dtype}), or "
                               "set model.dtype to the dtype you want them in")
-        if self.max_step_ratio is not None and not self.max_step_ratio > 0:
-            raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
         self.secagg.validate()
         self.dp.validate()
         if self.secure_aggregation:
             self.secagg.check_round_size(self.per_round or self.clients)
+
+    def evaluates(self, t: int) -> bool:
+        """Round t ends with an evaluation: every `eval_every` rounds, the last round, and the model before the
+        first round (t = -1)."""
+        return t in (-1, self.rounds - 1) or bool(self.eval_every and (t + 1) % self.eval_every == 0)
 
 
 def _finite(key: str, value: float) -> float:

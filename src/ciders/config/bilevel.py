@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from typing import Literal
 
+from ciders.config.federation import RunFederation
 from ciders.config.base import FlowerConfig, check_choices, check_seed, opt, section, validate_sections
 from ciders.errors import ConfigError
 
@@ -94,7 +95,9 @@ class BilevelTaskConfig:
 
 
 @dataclass(frozen=True)
-class BilevelFederationConfig:
+class BilevelFederationConfig(RunFederation):
+    """The RABO family's federation keys (the shared ones: `config.federation.RunFederation`)."""
+
     clients: int = opt(10, "number of clients N")
     capacities: tuple[float, ...] = opt((1.0, 0.5, 0.25, 0.125, 0.0625),
                                         "capacity ratios R, assigned to clients in turn (client i gets R[i mod len])")
@@ -107,18 +110,13 @@ class BilevelFederationConfig:
         10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
         "this multiple of max(r, 1), r the norm at the run's start of what it moves (||y_0||, ||x_0||, ||(x_0, y_0)||; "
         "docs/security.md#aggregation); null = accept any finite step")
-    checkpoint_keep: int = opt(2, "checkpoints kept in the run directory (as the CIDERS family's)")
 
     def validate(self) -> None:
-        if self.clients < 1 or self.rounds < 1:
-            raise ConfigError("federation.clients and federation.rounds must be >= 1")
-        if self.checkpoint_keep < 1:
-            raise ConfigError(f"federation.checkpoint_keep: must be >= 1, got {self.checkpoint_keep}")
+        check_choices(self, "federation")
+        self.validate_shared()
         if not 0 <= self.eval_rounds <= self.rounds:
             raise ConfigError(f"federation.eval_rounds: must be in 0 .. federation.rounds ({self.rounds}), got "
                               f"{self.eval_rounds}")
-        if self.max_step_ratio is not None and not self.max_step_ratio > 0:
-            raise ConfigError(f"federation.max_step_ratio: must be > 0 or null, got {self.max_step_ratio}")
         if not self.capacities or any(not 0 < r <= 1 for r in self.capacities):
             raise ConfigError(f"federation.capacities: each must be in (0, 1], got {list(self.capacities)}")
 

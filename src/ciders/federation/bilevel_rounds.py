@@ -1,6 +1,7 @@
-"""One bilevel-family round as messages (docs/rabo.md#one-round), shared by the in-process loop
-(`federation.bilevel_loop`) and the Flower engine (`transports.flower.bilevel`): both move the same bytes through the
-same functions, so they give the same numbers.
+"""The server side of a RABO-family round (docs/rabo.md#one-round): `BilevelServer`, the family's strategy for the
+round loop of every method (`federation.loop.run_rounds`), in-process and on Flower alike: both engines move the
+same bytes through the same functions, so they give the same numbers. The client side is
+`federation.bilevel_client`; the messages and records are `federation.bilevel_codec`'s.
 
 A method is a sequence of phases; each phase is one message to each client and one reply:
   rabo / rafbo / fedmbo   inner: down x_q, y_q (kept entries + kept units)  -> up G^i (kept entries of y)
@@ -11,25 +12,20 @@ A method is a sequence of phases; each phase is one message to each client and o
   fiarse / oap            after the ProtoNet steps on it; the server takes each coordinate's mean over its holders
   dist-protonet /         local: down the full (x, y) -> up the client's model after its local steps
   dist-maml / fedavg      (`algorithms.fedmeta`: FedAvg of the meta-learner / of the untuned classifier)
-Server (`BilevelServer`, explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i)
-from the global weights; `down(phase, i)` is client i's message; `absorb(phase, replies)` checks each
-reply against the masks the server sent (a malformed one is rejected and logged, never applied; so is one whose
-step is above federation.max_step_ratio x max(r, 1), r the norm at the run's start of what it moves: ||y_0||,
-||x_0|| or ||(x_0, y_0)||, `BilevelState.ref`, docs/security.md#aggregation) and takes the server step over the
-clients that answered (per-coordinate 1/C^k means, `algorithms.rabo`); `finish`
-evaluates and returns the round's records.
-Client (`client_phase`): decodes its message, runs `rabo.inner_update` / `rabo.outer_update`, replies
-with wire bytes and a JSON-able record (loss, loss-evaluation count `calls`, measured `seconds`). Between
-the two phases it keeps what it was sent (x_q and its masks) in `scratch` (a dict in-process, a state
-directory on a Flower node).
+Server (explicit state): `begin(q)` computes every client's masks M(x_q, R_i), M(y_q, R_i) from the global weights;
+`down(phase, i)` is client i's message; `absorb(phase, replies)` checks each reply against the masks the server
+sent (a malformed one is rejected and logged, never applied; so is one whose step is above
+federation.max_step_ratio x max(r, 1), r the norm at the run's start of what it moves: ||y_0||, ||x_0|| or
+||(x_0, y_0)||, `BilevelState.ref`, docs/security.md#aggregation) and takes the server step over the clients that
+answered (per-coordinate 1/C^k means, `algorithms.rabo`); `close_round` makes the round's state the state. The
+strategy's verbs (`configure`, `aggregate`, `finish`, `evaluate`, `to_record`) wrap them for the loop, which
+counts the bytes, admits the replies and writes the records, evaluations and checkpoints.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
 from dataclasses import dataclass, field, replace
-from typing import Callable, MutableMapping
+from typing import Callable
 
 import torch
 
@@ -38,31 +34,11 @@ from ciders.algorithms.registry import get
 from ciders.core import aggregate as agg
 from ciders.core import masks as mk
 from ciders.core import submodel as sm
-from ciders.core.wire import PayloadError, decode, encode
+from ciders.core.wire import PayloadError
+from ciders.federation.bilevel_codec import decode_reply, encode_message
 from ciders.federation.exchange import client_id, client_index
 
-class _Counter:
-    """Counts loss evaluations (a second-order product by autograd costs ~2 gradients, by finite
-    differences 2 gradient calls; both show up here as the calls they make)."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *a):
-        self.calls += 1
-        return self.fn(*a)
-
-
-_REFS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 REF_XY = "||(x_0, y_0)||"  # how a local baseline's rejection names its bound's reference
-
-
-def _reference(task) -> tuple[dict, dict]:
-    """task.initial(), built once per task (a paper-scale backbone's init is not free): only its shapes,
-    dtypes and device are read."""
-    if task not in _REFS:
-        _REFS[task] = task.initial()
-    return _REFS[task]
 
 
 def _device(st: dict) -> torch.device:
@@ -108,12 +84,15 @@ class BilevelRound:
 
 
 class BilevelServer:
-    """The server of one run. Its state is explicit: `state` (x_q, y_q and the step bound's references, the
-    norms of x_0 and y_0: what the last commit holds) and `round` (BilevelRound); every other attribute is fixed
-    for the run."""
+    """The RABO family's server, and its strategy for `federation.loop.run_rounds` when given a run directory
+    (`out`; `federation.bilevel_loop.run_bilevel`). Its state is explicit: `state` (x_q, y_q and the step bound's
+    references, the norms of x_0 and y_0: what the last commit holds), `round` (BilevelRound) and, in a run, the
+    totals summary.json reports and the last evaluation; every other attribute is fixed for the run. Without
+    `out` it is the bare server step by step (`begin`, `down`, `absorb`, `close_round`), as the tests drive it."""
 
-    def __init__(self, exp, task, log: Callable[[str], None] = print):
+    def __init__(self, exp, task, log: Callable[[str], None] = print, out=None, resume: bool = False):
         self.exp, self.cfg, self.task, self.log = exp, exp.rabo, task, log
+        self.federation = exp.federation
         x0, y0 = task.initial()
         self.state = rb.init_state(x0, y0)
         self.caps = task.clients()
@@ -121,8 +100,36 @@ class BilevelServer:
         self.spec = get(exp.method, "bilevel")
         # rabo.head: episode drops the inner phase: each client fits its own head inside the outer one
         episode = self.cfg.head == "episode" and tuple(self.spec.phases) == ("inner", "outer")
-        self.phases = ("outer",) if episode else self.spec.phases
+        self.round_phases = ("outer",) if episode else self.spec.phases
         self.round: BilevelRound | None = None
+        nbytes = {k: sum(v.numel() * v.element_size() for v in getattr(self.state, k).values()) for k in "xy"}
+        self.full = {"down": nbytes["x"] + 2 * nbytes["y"], "up": nbytes["y"] + nbytes["x"]}  # FedMBO's, per round
+        self.totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
+        self.ev, self.sent, self.fresh = {}, {}, True
+        if out is not None:
+            self._open(out, resume)
+
+    def _open(self, out, resume: bool) -> None:
+        """The run directory (`rundir.start_run`): a fresh run, or the state, totals and last evaluation of the
+        committed round."""
+        from ciders.federation.bilevel_codec import load_checkpoint
+        from ciders.federation.ledger import open_ledger
+        from ciders.federation.rundir import RunDir, start_run
+
+        self.run = run = RunDir(out)
+        committed = start_run(run, self.exp, resume, self.log)
+        if committed is not None:
+            self.state, self.totals, self.ev = load_checkpoint(run, committed, self.state)
+            self.log(f"{run.root}: resuming after round {committed}")
+        self.fresh = committed is None
+        self.ledger = open_ledger(self.exp, run, committed, self.ids, self.log)
+
+    @property
+    def first_round(self) -> int:
+        return self.state.round
+
+    def phases(self, q: int) -> tuple[str, ...]:
+        return self.round_phases
 
     @property
     def masks(self) -> dict:
@@ -154,24 +161,19 @@ class BilevelServer:
 
     def down(self, phase: str, i: str) -> bytes:
         m, s = self.masks[i], self.state
-        meta = {"round": s.round, "client": i, "phase": phase}
-        if phase == "inner":
-            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
-        if phase == "outer" and self.phases == ("outer",):  # x and the head's sub-model (its values unused)
-            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
-        if phase == "outer":
-            return encode({"y": sm.pack(self.round.mid.y, m.y)}, meta)[0]
-        if phase == "local" and self.spec.submodel_local:  # a sub-model baseline: its sub-model down
-            return encode({"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}, meta)[0]
-        if phase == "local":  # a full-model baseline: the whole model down, the client's model up
-            return encode({"x": s.x, "y": s.y}, meta)[0]
-        raise ValueError(f"unknown phase {phase!r}")
+        if phase == "outer" and self.round_phases != ("outer",):  # y_{q+1}'s sub-model
+            comps = {"y": sm.pack(self.round.mid.y, m.y)}
+        elif phase in ("inner", "outer") or (phase == "local" and self.spec.submodel_local):
+            # x_q and y_q's sub-models (rabo.head episode's outer phase: y's values unused; a sub-model baseline)
+            comps = {"x": sm.pack(s.x, m.x), "y": sm.pack(s.y, m.y)}
+        elif phase == "local":  # a full-model baseline: the whole model down, the client's model up
+            comps = {"x": s.x, "y": s.y}
+        else:
+            raise ValueError(f"unknown phase {phase!r}")
+        return encode_message(comps, s.round, i, phase)
 
     def _read(self, phase: str, i: str, msg: bytes, name: str, mask: dict, ref: dict):
-        comps, meta = decode(msg)
-        self._check_meta(meta, phase, i)
-        if set(comps) != {name}:
-            raise PayloadError(f"reply must hold exactly the component {name!r}, got {sorted(comps)}")
+        comps = decode_reply(msg, self.state.round, i, phase, (name,))
         return sm.scatter(comps[name], mask, ref, f"{i} {name}")
 
     def absorb(self, phase: str, replies: dict[str, bytes]) -> dict:
@@ -206,7 +208,7 @@ class BilevelServer:
         if nxt is None:  # nobody (valid) answered: the state stays
             nxt = base if phase == "inner" else replace(base, round=base.round + 1)
             st = {"covering_y": 0, "trained_y": 0.0} if phase == "inner" else {"covering_x": 0, "trained_x": 0.0}
-        if phase == "outer" and self.phases == ("outer",):  # rabo.head: episode: no coordinate of y is trained
+        if phase == "outer" and self.round_phases == ("outer",):  # rabo.head: episode: no coordinate of y is trained
             st = {"covering_y": 0, "trained_y": 0.0, **st}
         stats = {**self.round.stats, f"{phase}_clients": [i for i in replies if i not in rejected], **st}
         self.round = replace(self.round, **({"mid": nxt} if phase == "inner" else {"next": nxt}), stats=stats)
@@ -224,10 +226,7 @@ class BilevelServer:
         s, rejected, xs, ys = self.state, {}, [], []
         for i in replies:
             try:
-                comps, meta = decode(replies[i], {"x": s.x, "y": s.y}, device=_device(s.x))
-                self._check_meta(meta, "local", i)
-                if set(comps) != {"x", "y"}:
-                    raise PayloadError(f"reply must hold x and y, got {sorted(comps)}")
+                comps = decode_reply(replies[i], s.round, i, "local", ("x", "y"), {"x": s.x, "y": s.y}, _device(s.x))
                 moved = rb.joined({k: v - s.x[k] for k, v in comps["x"].items()},
                                   {k: v - s.y[k] for k, v in comps["y"].items()})
                 why = agg.step_check(moved, s.ref["xy"], self.exp.federation.max_step_ratio, REF_XY)
@@ -261,10 +260,7 @@ class BilevelServer:
         for i in replies:
             m = self.masks[i]
             try:
-                comps, meta = decode(replies[i])
-                self._check_meta(meta, "local", i)
-                if set(comps) != {"dx", "dy"}:
-                    raise PayloadError(f"reply must hold dx and dy, got {sorted(comps)}")
+                comps = decode_reply(replies[i], s.round, i, "local", ("dx", "dy"))
                 dx, dy = sm.scatter(comps["dx"], m.x, s.x, f"{i} dx"), sm.scatter(comps["dy"], m.y, s.y, f"{i} dy")
                 why = agg.step_check(rb.joined(dx, dy), s.ref["xy"], self.exp.federation.max_step_ratio, REF_XY)
                 if why is not None:
@@ -291,7 +287,7 @@ class BilevelServer:
             **self.round.stats, **st, "local_clients": [i for i in replies if i not in rejected]})
         return rejected
 
-    def finish(self) -> dict:
+    def close_round(self) -> dict:
         """The round's state becomes the state; returns the round's statistics."""
         if self.round is None or self.round.next is None:
             raise ValueError("finish: the round has not taken its last server step")
@@ -299,18 +295,88 @@ class BilevelServer:
         self.state, stats, self.round = replace(self.round.next, ref=self.state.ref), self.round.stats, None
         return stats
 
-    def _check_meta(self, meta: dict, phase: str, i: str) -> None:
-        if meta.get("round") != self.state.round or meta.get("client") != i or meta.get("phase") != phase:
-            raise PayloadError(f"reply is for round {meta.get('round')} client {meta.get('client')} phase "
-                               f"{meta.get('phase')!r}, expected round {self.state.round} {i} phase {phase!r}")
-
     def participants(self, phase: str) -> list[str]:
         """Who gets `phase`'s message: everyone for the first phase; for the outer phase, the clients whose
         inner reply was accepted (the others have no place in this round's y_{q+1})."""
-        return self.ids if phase == self.phases[0] else list(self.round.stats.get(f"{self.phases[0]}_clients", []))
+        first = self.round_phases[0]
+        return self.ids if phase == first else list(self.round.stats.get(f"{first}_clients", []))
 
-    def evaluate(self) -> dict:
-        return self.task.evaluate(self.state.x, self.state.y)
+    # ------------------------------------------------------------------ the strategy (federation.loop)
+    def prepare(self) -> list[dict]:
+        return []  # nothing before the first round but its evaluation
+
+    def configure(self, phase: str, q: int) -> dict[str, bytes]:
+        msgs = {i: self.down(phase, i) for i in self.participants(phase)}
+        self.totals["bytes_down"] += sum(len(m) for m in msgs.values())
+        self.sent = {i: len(m) for i, m in msgs.items()}  # this phase's downlink bytes per client
+        return msgs
+
+    def count(self, direction: str, phase: str, cid: str, msg: bytes) -> dict:
+        return {phase: len(msg)}  # every message and reply, under its phase's name
+
+    def aggregate(self, phase: str, q: int, got, traffic, mark: Callable[[str], None] = lambda p: None) -> list[dict]:
+        """The server step over the admitted replies whose client record fits (`client_record`; one that does not
+        rejects the reply) -> the records of the clients whose reply the step took, as the server composes them."""
+        for who, why in got.refused.items():
+            self.log(f"round {q} {phase}: refused the reply of {who}: {why}")
+        for r in got.others:
+            self.log(f"round {q} {phase}: a {r.kind} delivery from {str(r.client_id)[:64]} is not part of the round: "
+                     "ignored")
+        payloads, recs = {}, {}
+        for r in got.replies:
+            try:
+                recs[r.client_id] = client_record(self, phase, r.client_id, r.record, self.sent.get(r.client_id, 0),
+                                                  len(r.payload))
+                payloads[r.client_id] = r.payload
+            except PayloadError as exc:
+                self.log(f"round {q} {phase}: rejected the reply of {r.client_id}: {exc}")
+        rejected = self.absorb(phase, payloads)
+        out = []
+        for i in (c for c in self.ids if c in payloads):
+            rec = recs[i]
+            secs = float(rec.pop("seconds"))
+            self.ledger.timing({"round": q, "client": i, "phase": phase, "seconds": secs})
+            if i in rejected:
+                continue
+            out.append(rec)
+            for k in ("calls", "op_estimate", "bytes_up"):
+                self.totals[k] += rec[k]
+            self.totals["seconds"] += secs
+        mark(phase)
+        return out
+
+    def finish(self, q: int, traffic) -> list[dict]:
+        """The round's record; its state becomes the state (what `evaluate` and `to_record` read)."""
+        return [{"event": "round", "round": q, **self.close_round(), "full_bytes_per_client": self.full,
+                 "bytes_down": dict(traffic.down), "bytes_up": dict(traffic.up)}]
+
+    def evaluate(self, q: int = -1) -> dict:
+        """The task's metrics of the global model as it stands (after round q)."""
+        self.ev = self.task.evaluate(self.state.x, self.state.y)
+        return self.ev
+
+    def to_record(self) -> tuple[dict, dict]:
+        from ciders.federation.bilevel_codec import flat
+
+        s = self.state
+        return flat(s), {"round": s.round, "ref_norm": s.ref, "totals": self.totals, "eval": self.ev}
+
+    def commit(self, q: int) -> None:
+        pass  # the state moved in `finish`; nothing else is the server's
+
+    def close(self) -> dict:
+        from safetensors.torch import save_file
+
+        from ciders.federation.bilevel_codec import flat
+        from ciders.fileio import atomic_path, write_json
+
+        with atomic_path(self.run.root / "final.safetensors") as tmp:
+            save_file(flat(self.state), str(tmp))
+        summary = {"method": self.exp.method, "rounds": self.exp.federation.rounds, "clients": len(self.caps),
+                   "final": self.ev, "final_by_capacity": self.evaluate_capacities(), **self.totals,
+                   "full_bytes_per_client_round": self.full}
+        write_json(self.run.root / "summary.json", summary)
+        return summary
 
     def evaluate_capacities(self) -> dict:
         """{capacity: the task's metrics on the sub-model a client of that capacity would hold now} for every
@@ -326,96 +392,6 @@ class BilevelServer:
             (x, _), (y, _) = sm.client_view(self.state.x, m.x), sm.client_view(self.state.y, m.y)
             out[str(r)] = self.task.evaluate(x, y)
         return dict(sorted(out.items(), key=lambda kv: -float(kv[0])))
-
-
-def client_phase(exp, task, phase: str, cid: str, msg: bytes, scratch: MutableMapping[str, dict]
-                 ) -> tuple[bytes, dict]:
-    """Client `cid`'s reply to the server's `phase` message (see the module docstring)."""
-    cfg = exp.rabo
-    try:
-        ci = client_index(cid, len(task.clients()))
-    except ValueError as exc:
-        raise PayloadError(f"this run has no client {cid!r}: {exc}") from exc
-    i = cid
-    x0, y0 = _reference(task)  # shapes, dtypes and device the client expects (its copy of the architecture)
-    comps, meta = decode(msg)
-    q = meta.get("round")
-    if meta.get("client") != i or meta.get("phase") != phase or not isinstance(q, int):
-        raise PayloadError(f"{i}: message is for client {meta.get('client')} phase {meta.get('phase')!r}")
-    t0 = time.perf_counter()
-    if phase == "inner":
-        x, mx = sm.unpack(comps["x"], x0, "x")
-        y, my = sm.unpack(comps["y"], y0, "y")
-        m = rb.ClientMasks(mx, my, task.clients()[ci])
-        g = _Counter(task.g)
-        G, info = rb.inner_update(cfg, rb.BilevelState(q, x, y), m, g, task.batches(ci, q, cfg.inner_steps))
-        scratch.clear()
-        scratch.update({"round": {"q": torch.tensor(q)}, "x": x, "mx": mx, "my": my})
-        up, calls = encode({"G": sm.gather(G, my)}, {"round": q, "client": i, "phase": phase})[0], g.calls
-    elif phase == "outer" and cfg.head == "episode":  # rabo.head: episode, the round's only phase
-        if set(comps) != {"x", "y"}:
-            raise PayloadError(f"{i}: rabo.head episode's outer message must hold x and y, got {sorted(comps)}")
-        x, mx = sm.unpack(comps["x"], x0, "x")
-        y_sub, my = sm.unpack(comps["y"], y0, "y")  # the head's sub-model: its shapes and mask, not its values
-        m = rb.ClientMasks(mx, my, task.clients()[ci])
-        f, g = _Counter(task.f), _Counter(task.g)
-        eps = task.round_episodes(ci, q) if hasattr(task, "round_episodes") else [task.outer_batch(ci, q)]
-        hs, infos = [], []
-        for ep in eps:  # one head per episode, fitted on its support; the hypergradients averaged
-            y, inner = rb.episode_head(cfg, x, y_sub, m, g, [ep] * cfg.inner_steps)
-            h, info = rb.outer_update(cfg, rb.BilevelState(q, x, y), m, f, g, ep)
-            hs.append(h)
-            infos.append({**inner, **info})
-        h = {k: sum(t[k] for t in hs) / len(hs) for k in hs[0]}
-        info = {k: _merge([d[k] for d in infos]) for k in infos[0]}
-        up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
-    elif phase == "outer":
-        if "round" not in scratch or int(scratch["round"]["q"]) != q:
-            raise PayloadError(f"{i}: outer message of round {q} without this round's inner phase")
-        y, my = sm.unpack(comps["y"], y0, "y")
-        if any(my[k].shape != v.shape for k, v in scratch["my"].items()):
-            raise PayloadError(f"{i}: outer message's y sub-model differs from this round's inner one")
-        m = rb.ClientMasks(scratch["mx"], my, task.clients()[ci])
-        f, g = _Counter(task.f), _Counter(task.g)
-        h, info = rb.outer_update(cfg, rb.BilevelState(q, scratch["x"], y), m, f, g, task.outer_batch(ci, q))
-        up, calls = encode({"h": sm.gather(h, m.x)}, {"round": q, "client": i, "phase": phase})[0], f.calls + g.calls
-    elif phase == "local" and (spec := get(exp.method, "bilevel")).local_update is not None:
-        up, calls, info = _local_phase(exp, spec, task, comps, (x0, y0), ci, i, q)
-    else:
-        raise PayloadError(f"{i}: phase {phase!r} is not a phase of {exp.method}")
-    # only what the client measured; the server adds what it knows itself (`client_record`)
-    return up, {"calls": calls, "seconds": time.perf_counter() - t0, **info}
-
-
-def _merge(vals: list):
-    """One record value from one per episode: counts add up, measurements average, anything else is the first."""
-    if all(type(v) is int for v in vals):
-        return sum(vals)
-    if all(type(v) in (int, float) for v in vals):
-        return sum(vals) / len(vals)
-    return vals[0]
-
-
-def _local_phase(exp, spec, task, comps: dict, ref: tuple, ci: int, i: str, q: int) -> tuple[bytes, int, dict]:
-    """A baseline's local steps: on the sub-model it was sent (the sub-model baselines: reply with the kept
-    entries of its change; FIARSE's steps also get its mask) or on the full model (reply with the model)."""
-    from ciders.core.wire import check
-
-    x0, y0 = ref
-    if set(comps) != {"x", "y"}:
-        raise PayloadError(f"{i}: a local message holds x and y, got {sorted(comps)}")
-    meta = {"round": q, "client": i, "phase": "local"}
-    if spec.submodel_local:
-        (x, mx), (y, my) = sm.unpack(comps["x"], x0, "x"), sm.unpack(comps["y"], y0, "y")
-        kw = {"mask": mx, "threshold": True} if exp.rabo.mask_rule == "magnitude" else {}  # FIARSE: full-shape x
-        xn, yn, info = spec.local_update(exp.fedmeta, task, x, y, ci, q, **kw)
-        dx, dy = {k: x[k] - xn[k] for k in x}, {k: y[k] - yn[k] for k in y}
-        return encode({"dx": sm.gather(dx, mx), "dy": sm.gather(dy, my)}, meta)[0], int(info.pop("calls")), info
-    check(comps["x"], x0, "x")
-    check(comps["y"], y0, "y")
-    xn, yn, info = spec.local_update(exp.fedmeta, task, {k: comps["x"][k].to(v.device) for k, v in x0.items()},
-                                     {k: comps["y"][k].to(v.device) for k, v in y0.items()}, ci, q)
-    return encode({"x": xn, "y": yn}, meta)[0], int(info.pop("calls")), info
 
 
 def client_record(server: "BilevelServer", phase: str, i: str, measured: dict, bytes_down: int, bytes_up: int

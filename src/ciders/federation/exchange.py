@@ -20,7 +20,7 @@ their content like any other upload. Every check lives in the server functions, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Iterable, Literal, Protocol
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,42 @@ class Reply:
     kind: Literal["reply", "late", "copy"] = "reply"
     error: str | None = None  # the client reported a failure
     rejected: str | None = None  # the transport could not accept the reply (why)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A phase's deliveries after the round loop's admission (`admit`): `replies`, at most one per client that
+    was sent this phase's message, in arrival order; `others`, the late and duplicated deliveries (a family that
+    takes them checks them by their content); `refused`, who was turned away and why; `failed`, the clients that
+    reported an error."""
+
+    replies: tuple[Reply, ...]
+    others: tuple[Reply, ...]
+    refused: dict
+    failed: frozenset
+
+
+def admit(replies: list[Reply], sent: Iterable[str], phase: str, t: int) -> Admitted:
+    """The one admission rule of every phase of every family: a client's error, a reply the transport could not
+    accept, a reply from a client that was sent no message this phase and a second reply from the same client are
+    refused (with why); nothing refused reaches a server step."""
+    sent = set(sent)
+    ok, others, refused, failed = [], [], {}, set()
+    for r in replies:
+        if r.error is not None:
+            refused[r.client_id] = f"client error: {str(r.error)[:200]}"
+            failed.add(r.client_id)
+        elif r.rejected is not None:
+            refused[r.client_id] = r.rejected
+        elif r.kind != "reply":
+            others.append(r)
+        elif r.client_id not in sent:
+            refused[str(r.client_id)[:64]] = f"a reply from a client sent no {phase} message in round {t}"
+        elif any(o.client_id == r.client_id for o in ok):
+            refused[r.client_id] = f"a second {phase} reply in round {t}"
+        else:
+            ok.append(r)
+    return Admitted(tuple(ok), tuple(others), refused, frozenset(failed))
 
 
 class Exchange(Protocol):

@@ -40,14 +40,15 @@ from ciders.federation import codec
 from ciders.config import ExperimentConfig
 from ciders.errors import ConfigError
 from ciders.federation import console
-from ciders.federation.exchange import Exchange, Reply
+from ciders.federation.exchange import Admitted, Exchange, admit
+from ciders.federation.ledger import Ledger, Traffic
 from ciders.federation.inprocess import Faults, InProcess, SimulatedCrash
 from ciders.fileio import locked
 from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clients, summarize
 
 
 # the run directory lives in federation.rundir; these names stay importable from here
-__all__ = ["MIB", "Faults", "RunDir", "RoundServer", "SimulatedCrash", "Task", "check_same_config",
+__all__ = ["MIB", "Faults", "RunDir", "SimulatedCrash", "Strategy", "Task", "check_same_config",
            "run_federation", "run_rounds", "sample_clients", "summarize"]
 
 class Task(Protocol):  # see the module docstring
@@ -65,44 +66,88 @@ class Task(Protocol):  # see the module docstring
     def finalize(self, out: Path, server: alg.ServerState, extra: Any) -> None: ...
 
 
-class RoundServer(Protocol):
-    """The server side of a method family, driven by `run_rounds` (CIDERS: `federation.rounds.Coordinator`;
-    RABO family: `federation.bilevel_loop.BilevelRounds`)."""
+class Strategy(Protocol):
+    """One method family's server, driven by `run_rounds` with Flower's verbs over explicit state (CIDERS:
+    `federation.rounds.Coordinator`; RABO family: `federation.bilevel_rounds.BilevelServer`). What every run
+    does the same way is the loop's, not the strategy's: counting bytes, admitting replies, writing records,
+    the evaluation schedule, checkpoint and commit."""
 
-    first_round: int
+    first_round: int  # the round after the last committed one (0 for a fresh run)
+    fresh: bool  # nothing committed yet: the loop starts with round -1 (`prepare`, the first evaluation)
+    federation: Any  # the run's federation section (`config.federation.RunFederation`)
+    ledger: Ledger
 
-    def begin(self, t: int) -> Any: ...
+    def prepare(self) -> list[dict]: ...
+    def begin(self, t: int) -> None: ...
     def phases(self, t: int) -> tuple[str, ...]: ...
-    def messages(self, phase: str, t: int) -> dict[str, bytes]: ...
-    def absorb(self, phase: str, t: int, replies: list[Reply], mark: Callable[[str], None]) -> None: ...
-    def commit(self, t: int, before_checkpoint: Callable[[], None] | None = None) -> None: ...
+    def configure(self, phase: str, t: int) -> dict[str, bytes]: ...
+    def count(self, direction: str, phase: str, cid: str, msg: bytes) -> dict[str, int] | None: ...
+    def aggregate(self, phase: str, t: int, got: Admitted, traffic: Traffic,
+                  mark: Callable[[str], None]) -> list[dict]: ...
+    def finish(self, t: int, traffic: Traffic) -> list[dict]: ...
+    def evaluate(self, t: int) -> dict: ...
+    def to_record(self) -> tuple[dict, dict]: ...
+    def commit(self, t: int) -> None: ...
     def close(self) -> dict: ...
 
 
-def run_rounds(server: RoundServer, exchange: Exchange, rounds: int, faults: Faults | None = None,
+def run_rounds(strategy: Strategy, exchange: Exchange, rounds: int, faults: Faults | None = None,
                progress: Callable[[int, str], None] | None = None) -> dict:
     """The round loop of every method on every engine, top to bottom:
 
+        [round -1, a fresh run: prepare(), evaluate(-1), records, checkpoint + commit]
         for each round t not yet committed:
-            begin(t)                                   sampling, masks
+            begin(t)                                       sampling, masks
             for each phase of the round:
-                replies = exchange(phase, t, messages)  the transport moves the bytes
-                absorb(phase, t, replies)              check, aggregate, server steps
-            commit(t)                                  evaluate, log, checkpoint, commit
+                msgs = configure(phase, t)                 {client: bytes}; counted (`Traffic`)
+                got = admit(exchange(phase, t, msgs))      the transport moves the bytes; replies admitted, counted
+                records += aggregate(phase, t, got)        checks, aggregation, server steps
+            records += finish(t) [+ evaluate(t) when federation.evaluates(t)]
+            ledger: records, end of round; checkpoint (to_record) and commit (one atomic pointer write)
 
-    `faults` names crash points for the tests (client:<k> inside the in-process transport, the server's
-    own points, checkpoint, commit)."""
-    faults = faults or Faults()
-    for t in range(server.first_round, rounds):
-        server.begin(t)
-        for phase in server.phases(t):
+    `faults` names crash points for the tests (client:<k> inside the in-process transport, the strategy's own
+    points, checkpoint, commit)."""
+    faults, led, fed = faults or Faults(), strategy.ledger, strategy.federation
+    if strategy.fresh:
+        recs = strategy.prepare()
+        if fed.evaluates(-1):
+            recs.append(led.evaluation(-1, strategy.evaluate(-1)))
+        _end(strategy, -1, recs, "prealign_and_eval_s")
+    for t in range(strategy.first_round, rounds):
+        led.start_round()
+        strategy.begin(t)
+        traffic = Traffic()
+        for phase in strategy.phases(t):
             if progress is not None:
                 progress(t, phase)
-            replies = exchange(phase, t, server.messages(phase, t))
-            server.absorb(phase, t, replies, mark=lambda point: faults.maybe_crash(t, point))
-        server.commit(t, before_checkpoint=lambda: faults.maybe_crash(t, "checkpoint"))
+            msgs = strategy.configure(phase, t)
+            for cid, m in msgs.items():
+                traffic.add("down", cid, m, strategy.count("down", phase, cid, m))
+            got = admit(exchange(phase, t, msgs), msgs, phase, t)
+            for r in got.replies:
+                traffic.add("up", r.client_id, r.payload, strategy.count("up", phase, r.client_id, r.payload))
+            for rec in strategy.aggregate(phase, t, got, traffic, lambda point: faults.maybe_crash(t, point)):
+                led.record(rec)
+        recs = strategy.finish(t, traffic)
+        if fed.evaluates(t):
+            recs.append(led.evaluation(t, strategy.evaluate(t)))
+        _end(strategy, t, recs, "seconds", lambda: faults.maybe_crash(t, "checkpoint"))
         faults.maybe_crash(t, "commit")
-    return server.close()
+    try:
+        return strategy.close()
+    finally:
+        led.close()
+
+
+def _end(strategy: Strategy, t: int, recs: list[dict], key: str, before_checkpoint=lambda: None) -> None:
+    """A round's end: its records, its line and seconds, then the checkpoint and the commit."""
+    led = strategy.ledger
+    for rec in recs:
+        led.record(rec)
+    led.end_round(t, key)
+    before_checkpoint()
+    led.checkpoint(t, *strategy.to_record())
+    strategy.commit(t)
 
 
 def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: bool = False,
@@ -120,13 +165,11 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
 def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> dict:
     from ciders.federation.rounds import Coordinator, client_phase, client_report
     from ciders.federation.secure import Sessions
-    from ciders.federation.secure_rounds import SecureCoordinator
 
     if exchange is None and cfg.federation.partition == "nodes":
         raise ConfigError("federation.partition=nodes: the clients' data lives on their SuperNodes (data-file); run "
                           "it on a Flower deployment (`ciders flower launch` / `loopback`), not in-process")
-    kind = SecureCoordinator if cfg.federation.secure_aggregation else Coordinator
-    co = kind(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
+    co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
     cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()
     bars = _RoundBars(progress, fed.rounds, cfg.algorithm.method)

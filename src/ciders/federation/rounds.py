@@ -20,7 +20,6 @@ messenger as wire bytes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -35,11 +34,12 @@ from ciders.core import wire
 from ciders.core.store import RoundStore
 from ciders.core.wire import PayloadError
 from ciders.federation import console, dp, records
-from ciders.federation.exchange import Reply
-from ciders.federation.rundir import MIB, RunDir, sample_clients, start_run, summarize
-from ciders.federation.sinks import open_sinks
+from ciders.federation.exchange import Admitted, Reply
+from ciders.federation.ledger import Traffic, open_ledger
+from ciders.federation.secure_rounds import SecurePhases, load_version
+from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
 from ciders.errors import CidersError
-from ciders.fileio import append_jsonl, read_jsonl, write_json
+from ciders.fileio import write_json
 from ciders.runtime import DTYPES
 from ciders import phases as timing
 
@@ -66,19 +66,12 @@ class InFlight:
 
     t: int
     sampled: tuple[str, ...]
-    started: float  # wall clock (timing.jsonl only)
     down_extra: dict
     next: RunState
-    bytes_down: dict = field(default_factory=dict)  # component -> bytes, summed over the round's broadcasts
-    down_len: dict = field(default_factory=dict)  # client -> bytes counted on its downlink
     changed: tuple[str, ...] = ()  # clients whose server copy this round rewrote
     records: tuple[dict, ...] = ()  # server, takd and round records, in order
     personalized: dict = field(default_factory=dict)  # client -> messenger (evaluation rounds)
-    secure: Any = None  # federation.secure.SecureRound per cohort (a tuple) of a secure-aggregation round
-    secure_rejected: dict = field(default_factory=dict)  # what its earlier phases refused, with why
-    bytes_up: dict = field(default_factory=dict)  # component -> bytes of the secure phases' replies
-    up_len: dict = field(default_factory=dict)  # client -> bytes of its secure phases' replies
-    secure_records: dict = field(default_factory=dict)  # client -> its record, written once the round unmasks
+    secure: Any = None  # secure_rounds.Protocol: the secure-aggregation phases' state (a secure round only)
 
 
 @dataclass(frozen=True)
@@ -87,7 +80,6 @@ class Checked:
 
     uploads: list
     rejected: dict
-    bytes_up: dict
     client_records: list
     losses: list
     replied: tuple  # the sampled clients whose reply was accepted by the transport (in sampling order)
@@ -122,44 +114,33 @@ def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, dow
     return msg, sizes, acfg.communicate or first
 
 
-def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply], schema=records.CIDERS) -> Checked:
-    """Decode and check everything that arrived in a train phase: this round's replies (in sampling order),
-    uploads delayed from earlier rounds (kind "late", first) and duplicated deliveries (kind "copy", last).
-    A client error, a reply the transport could not accept, a metrics record that does not fit its schema
-    (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes (or
-    is not finite), an upload that claims another client's id, a reply from a client not sampled this
-    round and an unknown client id are all rejected with the reason; none of them reaches the server
-    update. The server's own record fields (event, round, client, bytes) are written after the client's."""
-    t, order = rnd.t, {cid: j for j, cid in enumerate(rnd.sampled)}
-    rejected: dict[str, str] = {}
-    checked_recs: dict[int, dict] = {}
-    for j, r in enumerate(replies):
-        if r.error is not None:
-            rejected[r.client_id] = f"client error: {str(r.error)[:200]}"
-        elif r.rejected is not None:
-            rejected[r.client_id] = r.rejected
-        elif r.kind == "reply" and r.client_id not in order:
-            rejected[str(r.client_id)[:64]] = f"reply from a client not sampled in round {t}"
-        elif r.kind == "reply":
-            try:
-                checked_recs[j] = records.check(r.record, schema)
-            except PayloadError as exc:
-                rejected[r.client_id] = str(exc)
-    ok = [r for j, r in enumerate(replies) if r.error is None and r.rejected is None
-          and (r.kind != "reply" or j in checked_recs)]
-    got = sorted((r for r in ok if r.kind == "reply" and r.client_id in order), key=lambda r: order[r.client_id])
-    rec_of = {id(r): checked_recs[j] for j, r in enumerate(replies) if j in checked_recs}
-    recs = [{"event": "client", **rec_of[id(r)], "client": r.client_id, "round": t, "bytes_up": len(r.payload),
-             "bytes_down": rnd.down_len.get(r.client_id, 0)} for r in got]
-    msgs = [("?", r.payload) for r in ok if r.kind == "late"]
-    msgs += [(r.client_id, r.payload) for r in got if acfg.communicate]
-    msgs += [("?", r.payload) for r in ok if r.kind == "copy"]
-    bytes_up: dict[str, int] = {}
+def check_uploads(acfg, ref: dict, known_ids, t: int, sampled: tuple, got: Admitted, down_by: dict,
+                  schema=records.CIDERS) -> Checked:
+    """Decode and check what the loop admitted in a train phase (`federation.exchange.admit`: it refused client
+    errors, replies the transport could not accept, replies from clients not sampled this round and second
+    replies): this round's replies (in sampling order: sums are order-sensitive), uploads delayed from earlier
+    rounds (kind "late", first) and duplicated deliveries (kind "copy", last). A metrics record that does not fit its schema
+    (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes (or is not
+    finite), an upload that claims another client's id and an unknown client id are rejected with the reason;
+    none of them reaches the server update. The server's own record fields (event, round, client, bytes) are
+    written after the client's; `down_by` holds the bytes each client was sent this round."""
+    rejected: dict[str, str] = dict(got.refused)
+    recs, ok, order = [], [], {cid: j for j, cid in enumerate(sampled)}
+    for r in sorted(got.replies, key=lambda r: order[r.client_id]):
+        try:
+            rec = records.check(r.record, schema)
+        except PayloadError as exc:
+            rejected[r.client_id] = str(exc)
+            continue
+        ok.append(r)
+        recs.append({"event": "client", **rec, "client": r.client_id, "round": t, "bytes_up": len(r.payload),
+                     "bytes_down": down_by.get(r.client_id, 0)})
+    msgs = [("?", r.payload) for r in got.others if r.kind == "late"]
+    msgs += [(r.client_id, r.payload) for r in ok if acfg.communicate]
+    msgs += [("?", r.payload) for r in got.others if r.kind == "copy"]
     uploads = []
     for who, m in msgs:
         try:
-            if who != "?":
-                _count(bytes_up, wire.sizes(m))
             up = codec.decode_upload(m, ref, device=_dev(ref))
         except PayloadError as exc:
             rejected[who if who != "?" else f"#{len(rejected)}"] = str(exc)
@@ -170,34 +151,45 @@ def check_uploads(acfg, ref: dict, known_ids, rnd: InFlight, replies: list[Reply
             rejected[up.client_id] = "unknown client id"
         else:
             uploads.append(up)
-    return Checked(uploads, rejected, bytes_up, recs, [rec.get("loss") for rec in recs],
-                   tuple(r.client_id for r in got))
+    return Checked(uploads, rejected, recs, [rec.get("loss") for rec in recs], tuple(r.client_id for r in ok))
 
 
-def round_records(rnd: InFlight, server_metrics: dict, takd_metrics: dict, checked: Checked) -> tuple[dict, ...]:
+def upload_sizes(acfg, msg: bytes) -> dict | None:
+    """An upload's bytes per component (None: nothing is uploaded without communication, or the bytes are no
+    message: the check that decodes them rejects them)."""
+    if not acfg.communicate:
+        return None
+    try:
+        return wire.sizes(msg)
+    except PayloadError:
+        return None
+
+
+def round_records(rnd: InFlight, server_metrics: dict, takd_metrics: dict, checked: Checked,
+                  traffic: Traffic) -> tuple[dict, ...]:
     losses = [x for x in checked.losses if x is not None]
     return ({"event": "server", **server_metrics, "round": rnd.t},
             {"event": "takd", "round": rnd.t, **takd_metrics},
             {"event": "round", "round": rnd.t, "clients": list(rnd.sampled),
-             "loss": sum(losses) / max(len(losses), 1), "bytes_down": rnd.bytes_down, "bytes_up": checked.bytes_up})
+             "loss": sum(losses) / max(len(losses), 1), "bytes_down": dict(traffic.down), "bytes_up": dict(traffic.up)})
 
 
 # ---------------------------------------------------------------------------------------------- the server
 
 
 class Coordinator:
-    """The server side of a CIDERS run (one per run directory) for `federation.loop.run_rounds`. Its state
-    is explicit: `state` (RunState, what the last commit holds) and `round` (InFlight, the round between
-    begin and commit); every other attribute is fixed for the run (config, task, stores, ids). Setup
-    happens in the constructor: a fresh run pre-aligns B_L, evaluates and commits round -1; a resumed
-    one drops what a crashed round left and reloads the committed checkpoint."""
+    """The CIDERS family's strategy (`federation.loop.Strategy`; one per run directory). Its state is explicit:
+    `state` (RunState, what the last commit holds) and `round` (InFlight, the round between begin and commit);
+    every other attribute is fixed for the run (config, task, stores, ids, the ledger). A fresh run's round -1
+    (`prepare`) pre-aligns B_L; a resumed one drops what a crashed round left and reloads the committed
+    checkpoint."""
 
     def __init__(self, cfg: ExperimentConfig, task, out: str | Path, resume: bool = False,
                  log: Callable[[str], None] = console.info, engine: str = "local"):
         given, cfg = cfg, algorithms.configure(cfg)
         self.cfg, self.task, self.log = cfg, task, log
+        self.federation = fed = cfg.federation
         self.run = run = RunDir(out)
-        fed = cfg.federation
         committed = start_run(run, cfg, resume, log, extend_rounds=True)  # a resume may add rounds
         if committed is None:
             for line in algorithms.changes(given, cfg):
@@ -211,26 +203,19 @@ class Coordinator:
         self.ref = task.initial_messenger()  # the messenger's keys, shapes, dtypes and device
         self.static = set(getattr(task, "static_extra", lambda: ())())
         self.round: InFlight | None = None
-        # the console's round lines and the optional TensorBoard / MLflow mirrors, fed what metrics.jsonl gets
-        self.sinks = open_sinks(cfg, run.root, start + 1, committed is not None, self.ids, log, _mib_so_far(run))
-        self.state = self._fresh() if committed is None else self._resumed(committed)
+        # secure aggregation's phases around train, when the config asks for them
+        self.secure = SecurePhases(cfg, self.sizes, self.ref, log) if fed.secure_aggregation else None
+        self.ledger = open_ledger(cfg, run, committed, self.ids, log)
+        self.fresh, self._initial = committed is None, None
+        self.state = None if committed is None else self._resumed(committed)
 
-    def _fresh(self) -> RunState:
-        t0 = time.perf_counter()
+    def prepare(self) -> list[dict]:
+        """Round -1 of a fresh run: the task's initial extras (TAKD pre-alignment of B_L) and the initial state."""
         extra_t, extra_m, pre_metrics = self.task.initial_extra()
-        state = RunState(-1, alg.init_server(self.ref, self.cfg.federation.rounds),
-                         self.task.extra_from_record(extra_t, extra_m), frozenset())
-        self.log("round -1: evaluating before the first round")
-        with timing.phase("evaluation"):
-            ev = self.task.evaluate(-1, state.server, {})
-        write_json(self.run.root / "eval" / "before.json", {"event": "eval", "round": -1, **ev})
-        for rec in ({"event": "prealign", "round": -1, **pre_metrics}, {"event": "eval", "round": -1, **ev}):
-            self._record(rec)
-        secs = time.perf_counter() - t0
-        append_jsonl(self.run.timing, {"round": -1, "prealign_and_eval_s": secs})
-        self.sinks.end_round(-1, secs)
-        self._checkpoint(state, extra_t, extra_m)
-        return state
+        self._initial = (extra_t, extra_m)  # checkpointed as built
+        self.state = RunState(-1, alg.init_server(self.ref, self.cfg.federation.rounds),
+                              self.task.extra_from_record(extra_t, extra_m), frozenset())
+        return [{"event": "prealign", "round": -1, **pre_metrics}]
 
     def _resumed(self, committed: int) -> RunState:
         self.log(f"resuming {self.run.root} after round {committed}")
@@ -252,25 +237,13 @@ class Coordinator:
     # ------------------------------------------------------------------ helpers
     @property
     def first_round(self) -> int:
-        return self.state.committed + 1
-
-    def _record(self, rec: dict) -> None:
-        append_jsonl(self.run.metrics, rec)
-        self.sinks.write(rec)
-
-    def _checkpoint(self, state: RunState, extra_t: dict, extra_m: dict) -> None:
-        st, sm = codec.server_record(state.server)
-        self.run.save_checkpoint(state.committed, {**st, **{f"extra/{k}": v for k, v in extra_t.items()}},
-                                 {"server": sm, "extra": extra_m, "contacted": sorted(state.contacted),
-                                  **({"excluded": [list(e) for e in state.excluded]} if state.excluded else {})},
-                                 self.cfg.federation.checkpoint_keep)
-
-    def eval_due(self, t: int) -> bool:
-        fed = self.cfg.federation
-        return t == fed.rounds - 1 or bool(fed.eval_every and (t + 1) % fed.eval_every == 0)
+        return 0 if self.state is None else self.state.committed + 1
 
     def eval_clients(self, t: int) -> list[str]:
-        """Whose personalized messengers the round-t evaluation reads."""
+        """Whose personalized messengers the round-t evaluation reads (none under secure aggregation: they never
+        leave the clients)."""
+        if self.secure is not None:
+            return []
         return self.ids if self.cfg.federation.eval_clients == "all" else list(self.round.sampled)
 
     # ------------------------------------------------------------------ the round as phases (federation.loop)
@@ -280,8 +253,7 @@ class Coordinator:
         # the takd-only control samples nobody: the round is TAKD on the unchanged messenger, then evaluation
         pool = self._pool(t) if self.cfg.algorithm.client_learning else []
         sampled = tuple(sample_clients(pool, self.cfg.federation.per_round, self.cfg.seed, t))
-        self.round = InFlight(t, sampled, time.perf_counter(), self.task.downlink_extra(self.state.extra),
-                              next=self.state)
+        self.round = InFlight(t, sampled, self.task.downlink_extra(self.state.extra), next=self.state)
         return self.round
 
     def _pool(self, t: int) -> list[str]:
@@ -296,55 +268,76 @@ class Coordinator:
         return pool
 
     def phases(self, t: int) -> tuple[str, ...]:
+        if self.secure is not None:
+            return self.secure.phases
         # in a private mode the personalized messengers stay on the clients (docs/privacy.md); without client
         # learning (takd-only) there are none to report
-        report = self.eval_due(t) and not dp.private_records(self.cfg) and self.cfg.algorithm.client_learning
+        report = (self.federation.evaluates(t) and not dp.private_records(self.cfg)
+                  and self.cfg.algorithm.client_learning)
         return ("train", "report") if report else ("train",)
 
-    def messages(self, phase: str, t: int) -> dict[str, bytes]:
+    def configure(self, phase: str, t: int) -> dict[str, bytes]:
         if phase == "report":
             return {cid: b"" for cid in self.eval_clients(t)}
+        if self.secure is not None:
+            self.round, out, self._sizes = self.secure.configure(phase, t, self.round, self._secure_broadcast)
+            return out
         if phase != "train":
             raise ValueError(f"CIDERS has no phase {phase!r}")
-        rnd, out, total, lens = self.round, {}, {}, {}
+        rnd, out, counted = self.round, {}, {}
         for cid in rnd.sampled:
             copy = _load_copy(self.server_store, cid, self.ref)
-            out[cid], sizes, counted = broadcast_message(self.cfg.algorithm, self.state, copy, cid, rnd.down_extra,
-                                                         self.static, adapter_dtype=self.cfg.federation.adapter_dtype)
-            if counted:
-                _count(total, sizes)
-            lens[cid] = len(out[cid]) if counted else 0
-        self.round = replace(rnd, bytes_down=total, down_len=lens)
+            out[cid], sizes, yes = broadcast_message(self.cfg.algorithm, self.state, copy, cid, rnd.down_extra,
+                                                     self.static, adapter_dtype=self.cfg.federation.adapter_dtype)
+            counted[cid] = sizes if yes else None
+        self._sizes = counted
         return out
 
-    def absorb(self, phase: str, t: int, replies: list[Reply], mark: Callable[[str], None] = lambda p: None) -> None:
-        """Apply what arrived in `phase`. Train: the checks (`check_uploads`), Eq. 11-12 over the valid
-        uploads ("server"), then TAKD, Eq. 13 ("takd"); `mark(point)` is called after each (crash points
-        for the fault tests). Report: the personalized messengers the evaluation reads."""
+    def _secure_broadcast(self, cid: str) -> tuple[bytes, bool]:
+        msg, _, counted = broadcast_message(self.cfg.algorithm, self.state, load_version(self.server_store, cid), cid,
+                                            self.round.down_extra, self.static, secure=True,
+                                            adapter_dtype=self.cfg.federation.adapter_dtype)
+        return msg, counted
+
+    def count(self, direction: str, phase: str, cid: str, msg: bytes) -> dict | None:
+        """What the loop counts: the broadcasts the method sends (`broadcast_message`) and the uploads; a report
+        (the evaluation's reading of a personalized messenger) is not traffic of the method. Under secure
+        aggregation, every protocol message and reply too."""
+        if self.secure is not None:
+            return self._sizes.get(cid) if direction == "down" else self.secure.up_sizes(phase, msg)
+        if phase != "train":
+            return None
+        return self._sizes.get(cid) if direction == "down" else upload_sizes(self.cfg.algorithm, msg)
+
+    def aggregate(self, phase: str, t: int, got: Admitted, traffic: Traffic,
+                  mark: Callable[[str], None] = lambda p: None) -> list[dict]:
+        """Apply what arrived in `phase` -> the client records to write now. Train: the checks
+        (`check_uploads`), Eq. 11-12 over the valid uploads ("server"), then TAKD, Eq. 13 ("takd"); `mark(point)`
+        is called after each (crash points for the fault tests). Report: the personalized messengers the
+        evaluation reads."""
+        if self.secure is not None:
+            self.round, summed = self.secure.aggregate(phase, t, self.round, got, quiet=self.clients_store is not None)
+            return [] if summed is None else self._unmasked(t, summed, got, traffic, mark)
         if phase == "report":
-            pers = {r.client_id: got for r in replies if (got := self._read_report(t, r)) is not None}
+            pers = {r.client_id: p for r in got.replies if (p := self._read_report(t, r)) is not None}
             missing = sorted(set(self.eval_clients(t)) - set(pers))
             if missing and self.clients_store is None:
                 self.log(f"round {t}: evaluating without the personalized messengers of {', '.join(missing)}")
             self.round = replace(self.round, personalized=pers)
-            return
+            return []
         rnd, acfg = self.round, self.cfg.algorithm
-        answered = {r.client_id for r in replies if r.kind == "reply"}
-        missing = sorted(set(rnd.sampled) - answered)
+        missing = sorted(set(rnd.sampled) - {r.client_id for r in got.replies} - set(got.refused))
         if missing and self.clients_store is None:
             self.log(f"round {t}: no reply from {', '.join(missing)} within the round")
         with timing.phase("aggregation"):
-            checked = check_uploads(acfg, self.ref, self.sizes, rnd, replies,
+            checked = check_uploads(acfg, self.ref, self.sizes, t, rnd.sampled, got, traffic.down_by,
                                     records.CIDERS_PRIVATE if dp.private_records(self.cfg) else records.CIDERS)
-        for rec in checked.client_records:
-            self._record(rec)
         # a client that failed gets its first-contact components again; one that replied is contacted
-        failed = {r.client_id for r in replies if r.error is not None}
-        contacted = (rnd.next.contacted - failed) | set(checked.replied)
+        contacted = (rnd.next.contacted - got.failed) | set(checked.replied)
         copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
         with timing.phase("aggregation"):
             server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies, self.sizes,
-                                                       self.cfg.federation.max_step_ratio, dp.server_privacy(self.cfg, t))
+                                                       self.federation.max_step_ratio, dp.server_privacy(self.cfg, t))
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
                 self.server_store.put(cid, t, *codec.copy_record(cp))
@@ -352,10 +345,30 @@ class Coordinator:
             sm["rejected"] = {**sm["rejected"], **checked.rejected}
             for who, why in checked.rejected.items():
                 self.log(f"round {t}: rejected upload from {who}: {why}")
-        self._after_server(t, server, sm, checked, contacted, tuple(u.client_id for u in checked.uploads), mark)
+        self._after_server(t, server, sm, checked, contacted, tuple(u.client_id for u in checked.uploads), traffic,
+                           mark)
+        return checked.client_records
+
+    def _unmasked(self, t: int, summed, got: Admitted, traffic: Traffic, mark: Callable[[str], None]) -> list[dict]:
+        """The secure round's last phase: Eq. 12 on the unmasked sum (`SecurePhases.server_step`), the new versions
+        stored, the included clients' records (written once the round unmasks, with every phase's bytes), then the
+        plain round's TAKD."""
+        rnd = self.round
+        copies = {c: load_version(self.server_store, c) for c in summed.included}
+        u = self.secure.server_step(t, rnd, summed, copies)
+        changed = tuple(c for c in u.included if u.new_copies[c] is not copies[c])
+        for cid in changed:
+            self.server_store.put(cid, t, *codec.copy_record(u.new_copies[cid]))
+        recs = [{"event": "client", **rnd.secure.records[c], "client": c, "round": t,
+                 "bytes_up": traffic.up_by.get(c, 0), "bytes_down": traffic.down_by.get(c, 0)} for c in u.included]
+        self.round = replace(rnd, next=replace(rnd.next, excluded=u.excluded))
+        contacted = (rnd.next.contacted - got.failed) | set(u.included)
+        checked = Checked([], u.metrics["rejected"], recs, [r.get("loss") for r in recs], tuple(u.included))
+        self._after_server(t, u.server, u.metrics, checked, contacted, changed, traffic, mark)
+        return recs
 
     def _after_server(self, t: int, server: alg.ServerState, sm: dict, checked: Checked, contacted: set,
-                      changed: tuple, mark: Callable[[str], None]) -> None:
+                      changed: tuple, traffic: Traffic, mark: Callable[[str], None]) -> None:
         """TAKD (Eq. 13) after the server update, and the round's records (with the privacy spent so far)."""
         rnd = self.round
         sm.update(dp.spent(self.cfg, t))
@@ -364,12 +377,10 @@ class Coordinator:
             extra, tm = self.task.after_server(t, server, rnd.next.extra)
         self.round = replace(rnd, next=replace(rnd.next, committed=t, server=server, extra=extra,
                                                contacted=frozenset(contacted)), changed=changed,
-                             records=round_records(rnd, sm, tm, checked))
+                             records=round_records(rnd, sm, tm, checked, traffic))
         mark("takd")
 
     def _read_report(self, t: int, r: Reply) -> dict | None:
-        if r.error is not None or r.rejected is not None or r.kind != "reply":
-            return None
         try:
             comps, meta = wire.decode(r.payload, {"personalized": self.ref}, device=_dev(self.ref))
             if meta.get("client_id") != r.client_id:
@@ -379,33 +390,41 @@ class Coordinator:
             return None
         return comps.get("personalized")
 
-    def commit(self, t: int, before_checkpoint: Callable[[], None] | None = None) -> None:
-        """Evaluate (when due, with the personalized messengers in client order: sums are order-sensitive),
-        log the round, checkpoint and commit it; the round's `next` state becomes the state."""
-        rnd = self.round
-        recs = list(rnd.records)
-        if self.eval_due(t):
-            got = rnd.personalized
-            pers = {cid: {k: v.to(_dev(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
+    def finish(self, t: int, traffic: Traffic) -> list[dict]:
+        return list(self.round.records)
+
+    def evaluate(self, t: int) -> dict:
+        """The task's evaluation of the state round t commits, with the personalized messengers the report phase
+        brought, in client order (sums are order-sensitive); t = -1: the initial state, before the first round."""
+        if t < 0:
+            self.log("round -1: evaluating before the first round")
             with timing.phase("evaluation"):
-                recs.append({"event": "eval", "round": t, **self.task.evaluate(t, rnd.next.server, pers)})
-            write_json(self.run.root / "eval" / f"round_{t:04d}.json", recs[-1])
-        for r in recs:
-            self._record(r)
-        secs = time.perf_counter() - rnd.started
-        append_jsonl(self.run.timing, {"round": t, "seconds": secs})
-        self.sinks.end_round(t, secs)  # the round's line; the mirrors flushed (a crash after this keeps them)
-        if before_checkpoint is not None:
-            before_checkpoint()
-        et, em = self.task.extra_record(rnd.next.extra)
-        self._checkpoint(rnd.next, et, em)
+                return self.task.evaluate(-1, self.state.server, {})
+        got = self.round.personalized
+        pers = {cid: {k: v.to(_dev(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
+        with timing.phase("evaluation"):
+            return self.task.evaluate(t, self.round.next.server, pers)
+
+    def to_record(self) -> tuple[dict, dict]:
+        """The checkpoint of the state the round commits (tensors, meta)."""
+        state = self.state if self.round is None else self.round.next
+        et, em = self._initial if self.round is None else self.task.extra_record(state.extra)
+        st, sm = codec.server_record(state.server)
+        return ({**st, **{f"extra/{k}": v for k, v in et.items()}},
+                {"server": sm, "extra": em, "contacted": sorted(state.contacted),
+                 **({"excluded": [list(e) for e in state.excluded]} if state.excluded else {})})
+
+    def commit(self, t: int) -> None:
+        """After the checkpoint: the stores commit the round; its `next` state becomes the state."""
+        rnd = self.round
+        if rnd is None:  # round -1 writes no store
+            return
         if self.clients_store is not None:
             self.clients_store.commit(t, list(rnd.sampled))
         self.server_store.commit(t, list(rnd.changed))
         self.state, self.round = rnd.next, None
 
     def close(self) -> dict:
-        self.sinks.close()
         self.task.finalize(self.run.root, self.state.server, self.state.extra)
         summary = summarize(self.run, self.cfg, once=self.static)
         if hasattr(self.task, "model_sizes"):
@@ -507,23 +526,12 @@ def client_report(store: RoundStore, cid: str) -> bytes:
 # ---------------------------------------------------------------------------------------------- state moves
 
 
-def _mib_so_far(run: RunDir) -> float:
-    """MiB both ways in the rounds metrics.jsonl holds (a resumed run's console continues the count)."""
-    rows = read_jsonl(run.metrics) if run.metrics.is_file() else []
-    return sum(sum(r["bytes_down"].values()) + sum(r["bytes_up"].values()) for r in rows if r["event"] == "round") / MIB
-
-
 def _dev(ref: dict) -> torch.device:
     return next(iter(ref.values())).device
 
 
 def _to_device(s: alg.ServerState, ref: dict) -> alg.ServerState:
     return codec.server_to(s, _dev(ref))  # every field, the server optimizer's moments included
-
-
-def _count(acc: dict, sizes: dict) -> None:
-    for k, v in sizes.items():
-        acc[k] = acc.get(k, 0) + v
 
 
 def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:

@@ -1,8 +1,8 @@
 """Where a run's records go besides metrics.jsonl (the source of truth): the console's round lines, an
 optional TensorBoard mirror (federation.tensorboard: true) and an optional MLflow run (federation.tracking:
-mlflow). The Coordinator (`federation.rounds`) calls every sink once per record it writes to metrics.jsonl
-(`write`) and once at the end of each round (`end_round`, before the round's checkpoint), so every sink sees
-the same stream in the same order.
+mlflow), for both method families. The round loop's ledger (`federation.ledger`) calls every sink once per record it
+writes to metrics.jsonl (`write`) and once at the end of each round (`end_round`, before the round's checkpoint), so
+every sink sees the same stream in the same order.
 
 Scalars (TensorBoard and MLflow): every numeric leaf of a record is `<event>/<path>` at step = round (-1:
 pre-alignment and the evaluation before the first round). Per-client figures are summarized, never one tag
@@ -36,7 +36,7 @@ STATS = {"mean": None, "p10": 0.1, "p90": 0.9}
 
 
 class Sink:
-    """What the Coordinator calls: `write` once per record, `end_round` once per round, `close` at the end."""
+    """What the ledger calls: `write` once per record, `end_round` once per round, `close` at the end."""
 
     def write(self, rec: dict) -> None:
         pass
@@ -283,8 +283,8 @@ class MLflow(ScalarSink):
 
 class Console(Sink):
     """One line per round for a person watching: the round (numbered as in metrics.jsonl), the
-    evaluation's headline figure when the round evaluates, the mean client loss, the round's seconds and
-    the MiB moved so far (both directions, every client)."""
+    evaluation's headline figure when the round evaluates, the mean client loss (CIDERS) or the covering numbers
+    (RABO family), the round's seconds and the MiB moved so far (both directions, every client)."""
 
     def __init__(self, rounds: int, log: Callable[[str], None], mib_before: float = 0.0):
         self.rounds, self.log, self.mib = rounds, log, mib_before
@@ -294,7 +294,7 @@ class Console(Sink):
     def write(self, rec: dict) -> None:
         if rec.get("event") == "round":
             self._round = rec
-            self.mib += (sum(rec["bytes_down"].values()) + sum(rec["bytes_up"].values())) / MIB
+            self.mib += (sum(rec.get("bytes_down", {}).values()) + sum(rec.get("bytes_up", {}).values())) / MIB
         elif rec.get("event") == "eval":
             self._eval = rec
 
@@ -302,9 +302,15 @@ class Console(Sink):
         parts = [round_label(t, self.rounds) + (" (before the first round)" if t < 0 else "")]
         if self._eval is not None:
             parts.append(headline(self._eval))
-        if self._round is not None:  # a round that sampled nobody (the takd-only control) has no client loss
-            parts.append(f"client loss {self._round['loss']:.4f}" if self._round.get("clients", True)
-                         else "no client learning")
+        elif t >= 0:
+            parts.append("not evaluated (federation's schedule)")
+        r = self._round or {}
+        if "clients" in r and not r["clients"]:  # the takd-only control samples nobody: no client loss
+            parts.append("no client learning")
+        elif "loss" in r:
+            parts.append(f"client loss {r['loss']:.4f}")
+        if "covering_x" in r:  # the RABO family's covering numbers (docs/rabo.md)
+            parts.append(f"C_x* {r['covering_x']} C_y* {r['covering_y']}")
         parts.append(f"{seconds:.1f} s")
         if t >= 0:
             parts.append(f"{self.mib:.2f} MiB so far")

@@ -1,4 +1,4 @@
-"""The RABO family's client side on a Flower node: `federation.bilevel_rounds.client_phase` for a message of
+"""The RABO family's client side on a Flower node: `federation.bilevel_client.client_phase` for a message of
 family "bilevel", with what the client keeps between the inner and the outer phase in its state directory
 (`DirScratch`), because Flower may start a new ClientApp process per message. The server side is the
 run's own loop over `transports.flower.exchange.FlowerExchange`.
@@ -61,7 +61,7 @@ def _task(cfg_text: str):
 
 def handle(msg: Message, cid: str, state: Path) -> Message:
     """A ClientApp `train` message of family "bilevel"."""
-    from ciders.federation.bilevel_rounds import client_phase
+    from ciders.federation.bilevel_client import client_phase
 
     f = fm.fields_of(msg.content)
     exp, task = _task(str(f["config"]))
