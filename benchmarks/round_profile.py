@@ -20,7 +20,7 @@ from pathlib import Path
 from common import ROOT, SMOKE_MODEL, add_output_flags, emit
 
 from ciders.config import load_experiment
-from ciders.federation.loop import run_federation
+from ciders.federation.ciders_loop import run_federation
 from ciders.phases import PHASES, profiling
 from ciders.workloads.llm import LLMTask
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from ciders.config import load_config
-from ciders.federation.loop import run_federation
+from ciders.federation.ciders_loop import run_federation
 from ciders.workloads.llm import LLMTask
 from ciders.fileio import read_jsonl
 from conftest import ROOT

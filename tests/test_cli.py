@@ -113,7 +113,7 @@ def test_check_output_accepts_new_empty_own_and_legacy_directories(tmp_path):
 
 @pytest.fixture
 def vec_run(tmp_path):
-    from ciders.federation.loop import run_federation
+    from ciders.federation.ciders_loop import run_federation
     from synthetic import VectorTask
 
     cfg = load_config(None, ["federation.clients=3", "federation.rounds=2", "algorithm.local_steps=2"])

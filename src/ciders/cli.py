@@ -114,7 +114,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
     from ciders.federation import console
     from ciders.workloads.llm import LLMTask, render
-    from ciders.federation.loop import RunDir, run_federation
+    from ciders.federation.loop import RunDir
+    from ciders.federation.ciders_loop import run_federation
 
     cfg = _load_cfg(a)
     out = Path(a.out) if a.out else Path("runs") / cfg.name

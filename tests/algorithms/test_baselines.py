@@ -12,7 +12,8 @@ from ciders.algorithms import ciders as alg
 from ciders.federation import codec
 from ciders.config import load_config
 from ciders.core.tensors import max_abs_diff
-from ciders.federation.loop import RunDir, run_federation
+from ciders.federation.loop import RunDir
+from ciders.federation.ciders_loop import run_federation
 from synthetic import VectorTask
 from ciders.errors import ConfigError
 from ciders.fileio import read_jsonl

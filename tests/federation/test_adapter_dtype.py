@@ -7,7 +7,7 @@ import torch
 from ciders.algorithms import ciders as alg
 from ciders.config import load_config
 from ciders.core import consensus as cs
-from ciders.federation.loop import run_federation
+from ciders.federation.ciders_loop import run_federation
 from ciders.fileio import read_jsonl
 from synthetic import VEC, VectorTask
 

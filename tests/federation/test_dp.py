@@ -12,7 +12,8 @@ from ciders.config import load_config
 from ciders.core import privacy
 from ciders.errors import ConfigError
 from ciders.federation import dp
-from ciders.federation.loop import RunDir, run_federation
+from ciders.federation.loop import RunDir
+from ciders.federation.ciders_loop import run_federation
 from ciders.fileio import read_jsonl
 from synthetic import VectorTask
 

@@ -165,3 +165,20 @@ def test_the_rabo_family_gets_the_console_line_tensorboard_and_bytes_per_phase(t
     _, got = event_scalars(tmp_path / "tensorboard")
     assert got[1]["round/bytes_down/outer"] == rounds[1]["bytes_down"]["outer"] and "client/calls/mean" in got[1]
     assert "eval/" + next(k for k, v in rows[0].items() if isinstance(v, float)) in got[-1]
+
+
+def test_the_generic_loop_knows_no_method_family():
+    """federation.loop (the loop, the strategy protocol) and the modules it uses import no family's code: no update
+    rule, codec, task protocol or round of either family."""
+    import ast
+    from pathlib import Path
+
+    import ciders.federation as fed
+
+    family = ("ciders.algorithms", "ciders.federation.rounds", "ciders.federation.codec", "ciders.federation.secure",
+              "ciders.federation.bilevel", "ciders.federation.ciders_loop", "ciders.workloads", "ciders.models")
+    for name in ("loop", "ledger", "exchange", "sinks", "inprocess", "rundir"):
+        tree = ast.parse((Path(fed.__file__).parent / f"{name}.py").read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in mods if m and m.startswith(family)], (name, sorted(mods))

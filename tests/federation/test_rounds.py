@@ -69,7 +69,7 @@ class StaticTask(VectorTask):
 def test_a_client_that_failed_gets_its_first_contact_components_again(tmp_path):
     """Its error may mean it lost them (a restarted node without its state directory)."""
     from ciders.federation.inprocess import Faults
-    from ciders.federation.loop import run_federation
+    from ciders.federation.ciders_loop import run_federation
     from ciders.fileio import read_jsonl
 
     def run(out, faults):

@@ -20,7 +20,8 @@ from ciders.config import load_config
 from ciders.config.bilevel import BilevelExperiment, BilevelFederationConfig
 from ciders.errors import CidersError
 from ciders.federation.bilevel_loop import run_bilevel
-from ciders.federation.loop import Faults, RunDir, SimulatedCrash, run_federation
+from ciders.federation.loop import Faults, RunDir, SimulatedCrash
+from ciders.federation.ciders_loop import run_federation
 from conftest import ROOT
 from helpers import QuadTask
 from synthetic import VectorTask

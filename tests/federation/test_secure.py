@@ -17,7 +17,8 @@ from ciders.core.store import RoundStore
 from ciders.errors import ConfigError
 from ciders.federation import secure
 from ciders.federation.exchange import Reply
-from ciders.federation.loop import Faults, RunDir, SimulatedCrash, run_federation
+from ciders.federation.loop import Faults, RunDir, SimulatedCrash
+from ciders.federation.ciders_loop import run_federation
 from ciders.fileio import read_jsonl
 from synthetic import VectorTask
 
@@ -228,7 +229,7 @@ def test_the_server_receives_stores_and_logs_no_single_update(tmp_path, monkeypa
     encrypted shares) and the int64 masked vectors, none of which is near any client's w_i Delta_i or dc_i;
     the records carry no norm; the server's store holds versions, no tensor; metrics.jsonl and run.log carry no
     per-client update statistic."""
-    from ciders.federation import loop
+    from ciders.federation import ciders_loop as loop
 
     truths: list[dict] = []
     real = alg.client_update

@@ -14,7 +14,8 @@ from ciders.errors import ConfigError
 from ciders.core import secagg as sa
 from ciders.core import wire
 from ciders.federation import secure
-from ciders.federation.loop import Faults, RunDir, run_federation
+from ciders.federation.loop import Faults, RunDir
+from ciders.federation.ciders_loop import run_federation
 from ciders.federation.rundir import sample_clients
 from ciders.fileio import read_jsonl
 from synthetic import VectorTask

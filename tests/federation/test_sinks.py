@@ -14,7 +14,8 @@ import torch
 from ciders.errors import CidersError
 from ciders.federation import console
 from ciders.federation.inprocess import SimulatedCrash
-from ciders.federation.loop import Faults, run_federation
+from ciders.federation.loop import Faults
+from ciders.federation.ciders_loop import run_federation
 from ciders.federation.sinks import MIB, stream_scalars
 from ciders.fileio import read_jsonl
 from ciders.config import load_config

@@ -8,7 +8,7 @@ import pytest
 from ciders.config import load_config
 from ciders.core.diagnostics import psi, psi_inf
 from ciders.core.metagrad import fd_class
-from ciders.federation.loop import run_federation
+from ciders.federation.ciders_loop import run_federation
 from synthetic import VectorTask
 from ciders.fileio import read_jsonl
 from ciders.report import diagnostics as dg

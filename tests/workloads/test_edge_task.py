@@ -69,7 +69,7 @@ def test_the_nodes_partition_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="weighting=uniform"):
         load_config(None, BASE + ["federation.partition=nodes"])
     cfg = load_config(None, BASE + ["federation.partition=nodes", "algorithm.weighting=uniform", "data.clients=null"])
-    from ciders.federation.loop import run_federation
+    from ciders.federation.ciders_loop import run_federation
 
     task = LLMTask(cfg, tmp_path / "run", log=lambda s: None)
     assert task.clients() == {"client0": 0, "client1": 0}  # the server holds no client data

@@ -69,7 +69,8 @@ def run_compare(cfg: ExperimentConfig, methods: list[str], seeds: list[int], out
     no control), and write compare.json and compare.md in `out` (after every finished run, over the finished
     ones: an interrupted comparison still has its table so far). `overrides`: KEY=VALUE settings per method
     (e.g. its tuned learning rate, `compare_tune`), applied to `cfg` before the method's own knobs."""
-    from ciders.federation.loop import RunDir, check_same_config, run_federation
+    from ciders.federation.loop import RunDir, check_same_config
+    from ciders.federation.ciders_loop import run_federation
 
     if control is not None and control not in methods:
         methods = [*methods, control]

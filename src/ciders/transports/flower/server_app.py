@@ -72,7 +72,7 @@ def serve(grid: Grid, spec: dict, log=print) -> dict:
         ids = [client_id(i) for i in range(exp.federation.clients)]
         ex = FlowerExchange(grid, spec["config_text"], ids, exp.flower, "bilevel", log)
         return run_bilevel(exp, build(exp), out, log=log, resume=resume, exchange=ex)
-    from ciders.federation.loop import run_federation
+    from ciders.federation.ciders_loop import run_federation
     from ciders.runtime import DTYPES
     from ciders.workloads.llm import LLMTask
 
