@@ -182,3 +182,20 @@ def test_the_generic_loop_knows_no_method_family():
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not [m for m in mods if m and m.startswith(family)], (name, sorted(mods))
+
+
+def test_a_ciders_round_counts_its_broadcasts_and_uploads_but_not_the_evaluation_s_report(tmp_path):
+    """Every round evaluates here, so each has a report phase (the personalized messengers the evaluation reads):
+    the round's bytes are the train phase's alone, equal to what its client records carry."""
+    from ciders.config import load_config
+    from ciders.federation.ciders_loop import run_federation
+    from synthetic import VEC, VectorTask
+
+    run_federation(load_config(None, VEC + ["federation.eval_every=1"]), VectorTask(3), tmp_path, progress=False,
+                   log=lambda s: None)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    for r in (r for r in rows if r["event"] == "round"):
+        clients = [c for c in rows if c["event"] == "client" and c["round"] == r["round"]]
+        assert "personalized" not in r["bytes_up"] and set(r["bytes_up"]) >= {"dc"}
+        assert sum(r["bytes_down"].values()) == sum(c["bytes_down"] for c in clients) > 0
+        assert sum(r["bytes_up"].values()) == sum(c["bytes_up"] for c in clients) > 0

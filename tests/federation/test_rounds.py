@@ -1,6 +1,7 @@
 """The pure steps of a CIDERS round (`federation.rounds`): what reaches the server update and why the rest
 does not. Each bad delivery is one a hostile or broken client or transport can produce."""
 
+import pytest
 import torch
 
 from ciders.algorithms import ciders as alg
@@ -66,19 +67,32 @@ class StaticTask(VectorTask):
         return {"emulator"}
 
 
-def test_a_client_that_failed_gets_its_first_contact_components_again(tmp_path):
-    """Its error may mean it lost them (a restarted node without its state directory)."""
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_client_that_failed_gets_its_first_contact_components_again(tmp_path, secure):
+    """Its error may mean it lost them (a restarted node without its state directory); under secure aggregation,
+    an error in the train phase (the one that carries the broadcast) does the same."""
     from ciders.federation.inprocess import Faults
     from ciders.federation.ciders_loop import run_federation
     from ciders.fileio import read_jsonl
 
+    extra = ["federation.rounds=3"] + (["federation.secure_aggregation=true"] if secure else [])
+
     def run(out, faults):
-        run_federation(load_config(None, VEC + ["federation.rounds=3"]), StaticTask(3), out, faults=faults,
+        run_federation(load_config(None, VEC + extra), StaticTask(3), out, faults=faults,
                        progress=False, log=lambda s: None)
         rows = read_jsonl(out / "metrics.jsonl")
         return [("emulator" in r["bytes_down"]) for r in rows if r["event"] == "round"], \
             [r for r in rows if r["event"] == "server"]
 
     assert run(tmp_path / "ok", Faults())[0] == [True, False, False]
-    sent, server = run(tmp_path / "fail", Faults(error={(1, "c0001")}))  # contacted in round 0, fails in 1
+    sent, server = run(tmp_path / "fail", Faults(error={(1, "train", "c0001")}))  # contacted in round 0, fails in 1
     assert sent == [True, False, True] and "client error" in server[1]["rejected"]["c0001"]
+
+
+def test_uploads_and_records_are_taken_in_sampling_order_whatever_the_arrival(tmp_path):
+    """The server's sums are order-sensitive in floating point: the same uploads in another arrival order give the
+    same uploads list and records, in sampling order."""
+    cfg, task, ref, rnd, ups = one_round(tmp_path)
+    a, b, c = rnd.sampled
+    checked = checked_uploads(cfg, ref, task.clients(), rnd, [Reply(c, *ups[c]), Reply(a, *ups[a]), Reply(b, *ups[b])])
+    assert [u.client_id for u in checked.uploads] == [a, b, c] == [r["client"] for r in checked.client_records]

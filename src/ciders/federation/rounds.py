@@ -69,7 +69,7 @@ class InFlight:
     down_extra: dict
     next: RunState
     changed: tuple[str, ...] = ()  # clients whose server copy this round rewrote
-    records: tuple[dict, ...] = ()  # server, takd and round records, in order
+    result: tuple = ()  # the train phase's (server record, TAKD record, Checked): `finish` writes them
     personalized: dict = field(default_factory=dict)  # client -> messenger (evaluation rounds)
     secure: Any = None  # secure_rounds.Protocol: the secure-aggregation phases' state (a secure round only)
 
@@ -345,8 +345,7 @@ class Coordinator:
             sm["rejected"] = {**sm["rejected"], **checked.rejected}
             for who, why in checked.rejected.items():
                 self.log(f"round {t}: rejected upload from {who}: {why}")
-        self._after_server(t, server, sm, checked, contacted, tuple(u.client_id for u in checked.uploads), traffic,
-                           mark)
+        self._after_server(t, server, sm, checked, contacted, tuple(u.client_id for u in checked.uploads), mark)
         return checked.client_records
 
     def _unmasked(self, t: int, summed, got: Admitted, traffic: Traffic, mark: Callable[[str], None]) -> list[dict]:
@@ -364,11 +363,11 @@ class Coordinator:
         self.round = replace(rnd, next=replace(rnd.next, excluded=u.excluded))
         contacted = (rnd.next.contacted - got.failed) | set(u.included)
         checked = Checked([], u.metrics["rejected"], recs, [r.get("loss") for r in recs], tuple(u.included))
-        self._after_server(t, u.server, u.metrics, checked, contacted, changed, traffic, mark)
+        self._after_server(t, u.server, u.metrics, checked, contacted, changed, mark)
         return recs
 
     def _after_server(self, t: int, server: alg.ServerState, sm: dict, checked: Checked, contacted: set,
-                      changed: tuple, traffic: Traffic, mark: Callable[[str], None]) -> None:
+                      changed: tuple, mark: Callable[[str], None]) -> None:
         """TAKD (Eq. 13) after the server update, and the round's records (with the privacy spent so far)."""
         rnd = self.round
         sm.update(dp.spent(self.cfg, t))
@@ -377,7 +376,7 @@ class Coordinator:
             extra, tm = self.task.after_server(t, server, rnd.next.extra)
         self.round = replace(rnd, next=replace(rnd.next, committed=t, server=server, extra=extra,
                                                contacted=frozenset(contacted)), changed=changed,
-                             records=round_records(rnd, sm, tm, checked, traffic))
+                             result=(sm, tm, checked))
         mark("takd")
 
     def _read_report(self, t: int, r: Reply) -> dict | None:
@@ -391,7 +390,8 @@ class Coordinator:
         return comps.get("personalized")
 
     def finish(self, t: int, traffic: Traffic) -> list[dict]:
-        return list(self.round.records)
+        """The round's server, TAKD and round records (the round's bytes: every phase's, as `count` counts them)."""
+        return list(round_records(self.round, *self.round.result, traffic))
 
     def evaluate(self, t: int) -> dict:
         """The task's evaluation of the state round t commits, with the personalized messengers the report phase
