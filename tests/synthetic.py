@@ -123,7 +123,8 @@ def one_round(tmp_path):
     from ciders.algorithms import configure
     from ciders.config import load_config
     from ciders.core.store import RoundStore
-    from ciders.federation.rounds import InFlight, RunState, broadcast_message, client_round
+    from ciders.federation.rounds import InFlight, RunState, broadcast_message
+    from ciders.federation.ciders_client import client_round
 
     cfg, task = configure(load_config(None, VEC)), VectorTask(4)
     ref = task.initial_messenger()

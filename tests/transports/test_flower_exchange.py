@@ -21,7 +21,7 @@ from ciders.transports.flower import messages as fm
 from ciders.algorithms import configure
 from ciders.federation.loop import Faults, RunDir
 from ciders.federation.ciders_loop import run_federation
-from ciders.federation.rounds import client_round
+from ciders.federation.ciders_client import client_round
 from ciders.transports.flower.exchange import FlowerExchange
 from synthetic import VectorTask
 

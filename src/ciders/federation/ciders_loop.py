@@ -67,7 +67,8 @@ def run_federation(cfg: ExperimentConfig, task: Task, out: str | Path, resume: b
 
 
 def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> dict:
-    from ciders.federation.rounds import Coordinator, client_phase, client_report
+    from ciders.federation.rounds import Coordinator
+    from ciders.federation.ciders_client import client_phase, client_report
     from ciders.federation.secure import Sessions
 
     if exchange is None and cfg.federation.partition == "nodes":

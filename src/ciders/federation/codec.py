@@ -17,6 +17,19 @@ from ciders.core import server_opt as so
 from ciders.core.tensors import State, norm
 
 
+ADAPTERS = ("student",)  # the downlink extras that travel in federation.adapter_dtype, beside the messenger
+
+
+def wire_dtype(st: dict, name: str) -> dict:
+    """`st` with its floating-point tensors in dtype `name` (federation.adapter_dtype; "model": unchanged)."""
+    if name == "model":
+        return st
+    from ciders.runtime import DTYPES
+
+    dt = DTYPES[name]
+    return {k: v.to(dt) if v.is_floating_point() else v for k, v in st.items()}
+
+
 def _pre(st: State | None, p: str) -> dict:
     return {} if st is None else {f"{p}/{k}": v for k, v in st.items()}
 

@@ -1,21 +1,19 @@
-"""One CIDERS round as messages: the server side (`Coordinator`) and the client side (`client_round`,
-`client_report`).
+"""The server side of a CIDERS round: `Coordinator`, the CIDERS family's strategy for the round loop of every
+method (`federation.loop.run_rounds`), and the pure steps it is made of (`broadcast_message`, `check_uploads`,
+`round_records`). The client side is `federation.ciders_client`; the records and messages are `federation.codec`'s.
 
-The round loop (`federation.loop.run_rounds`) drives the Coordinator through its phases and a transport
-(`federation.exchange`) carries the bytes: in-process (`federation.inprocess`) or over Flower
-(`transports.flower.exchange`). Both move the same bytes through the same functions, so they give the
-same numbers.
+In-process (`federation.inprocess`) or over Flower (`transports.flower.exchange`), the same bytes go through the
+same functions, so both engines give the same numbers.
 
-Server side, per round t (Algorithm 2, docs/method.md):
-  begin(t) -> sampled ids
-  phase "train":  messages: broadcast(t, cid) per sampled client (its own consensus version / resync copy;
-                  static components such as a fixed B_L only at first contact)
-                  absorb: decode, check, Eq. 11-12 (`aggregate`), then TAKD, Eq. 13 (`takd`)
+Per round t (Algorithm 2, docs/method.md):
+  begin(t) -> the sampled ids
+  phase "train":  configure: broadcast_message(t, cid) per sampled client (its own consensus version / resync
+                  copy; static components such as a fixed B_L only at first contact)
+                  aggregate: check (`check_uploads`), Eq. 11-12 (`server_update`), then TAKD, Eq. 13
   phase "report": (rounds that evaluate) the personalized messengers the evaluation reads
-  commit(t) -> evaluate, log, checkpoint + commit (one atomic pointer write)
-Client side: client_round(...) decodes the broadcast, runs `client_update` (Eq. 4-10) on the client's own
-store and returns the upload bytes plus its metrics record; client_report(...) returns its personalized
-messenger as wire bytes.
+  finish(t), evaluate(t), to_record(): the round's records, evaluation and checkpoint, which the loop writes
+  commit(t): the stores commit the round; its state becomes the state
+Under secure aggregation the train phase is wrapped by the protocol phases of `federation.secure_rounds`.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ from ciders.federation.secure_rounds import SecurePhases, load_version
 from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
 from ciders.errors import CidersError
 from ciders.fileio import write_json
-from ciders.runtime import DTYPES
 from ciders import phases as timing
 
 
@@ -88,17 +85,6 @@ class Checked:
 # ---------------------------------------------------------------------------------------------- pure steps
 
 
-ADAPTERS = ("student",)  # the downlink extras that travel in federation.adapter_dtype, beside the messenger
-
-
-def wire_dtype(st: dict, name: str) -> dict:
-    """`st` with its floating-point tensors in dtype `name` (federation.adapter_dtype; "model": unchanged)."""
-    if name == "model":
-        return st
-    dt = DTYPES[name]
-    return {k: v.to(dt) if v.is_floating_point() else v for k, v in st.items()}
-
-
 def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, down_extra: dict,
                       static: set, secure: bool = False, adapter_dtype: str = "model") -> tuple[bytes, dict, bool]:
     """Client `cid`'s message (its own consensus version, and a resync copy if needed; the static
@@ -106,10 +92,10 @@ def broadcast_message(acfg, state: RunState, copy: alg.ServerCopy, cid: str, dow
     only the first download happens, so only it is counted. The messenger and the student LoRA travel in
     `adapter_dtype`; c and a resync copy never do (the client's Eq. 9 and the server's Eq. 11 need them exact)."""
     b = alg.make_broadcast(acfg, state.server, copy, secure=secure)
-    b = replace(b, messenger=wire_dtype(b.messenger, adapter_dtype))
+    b = replace(b, messenger=codec.wire_dtype(b.messenger, adapter_dtype))
     first = cid not in state.contacted
     mine = down_extra if first else {k: v for k, v in down_extra.items() if k not in static}
-    mine = {k: wire_dtype(v, adapter_dtype) if k in ADAPTERS else v for k, v in mine.items()}
+    mine = {k: codec.wire_dtype(v, adapter_dtype) if k in codec.ADAPTERS else v for k, v in mine.items()}
     msg, sizes = codec.encode_broadcast(b, mine)
     return msg, sizes, acfg.communicate or first
 
@@ -433,96 +419,6 @@ class Coordinator:
         return summary
 
 
-class StaticHolder:
-    """A client's durable copy of the components it receives only once (e.g. a fixed B_L), so that a
-    restarted client process can still run later rounds. In-process clients share the server's model
-    and need none."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def save(self, name: str, st: dict) -> None:
-        from safetensors.torch import save_file
-
-        from ciders.fileio import atomic_path
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        with atomic_path(self.root / f"{name}.safetensors") as tmp:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in st.items()}, str(tmp))
-
-    def load(self, name: str, ref: dict, device) -> dict:
-        from safetensors.torch import load_file
-
-        p = self.root / f"{name}.safetensors"
-        if not p.is_file():
-            raise PayloadError(f"this client does not hold the static component {name!r} the server sent earlier "
-                               f"({p} is missing); it is sent again after this failed round")
-        st = {k: v.clone() for k, v in load_file(str(p)).items()}
-        wire.check(st, ref, name)
-        return {k: v.to(device) for k, v in st.items()}
-
-
-def client_round(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes,
-                 extra_ref: dict, held: StaticHolder | None = None) -> tuple[bytes, dict]:
-    """The client side of one round: decode the broadcast (validated against the client's own
-    references), run `client_update` on the client's saved state, write the new state to its store and
-    return (upload bytes, metrics record). `extra_ref` holds the reference shapes of the task's downlink
-    extras (e.g. the student LoRA). In a private mode the record is cut down (`records.private`)."""
-    up, cm = client_train(cfg, task, store, cid, msg, extra_ref, held)
-    upmsg = codec.encode_upload(up)[0] if cfg.algorithm.communicate else b""
-    return upmsg, records.private(cm) if dp.private_records(cfg) else cm
-
-
-def client_phase(phase: str, cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes,
-                 extra_ref: dict, held: StaticHolder | None = None, sessions=None) -> tuple[bytes, dict]:
-    """Every CIDERS client phase but "report": train (plain, or secure with the protocol phases of
-    `federation.secure`, whose secrets live in `sessions`, the client's own `secure.Sessions`)."""
-    if not cfg.federation.secure_aggregation:
-        if phase != "train":
-            raise PayloadError(f"{cid}: phase {phase!r} without federation.secure_aggregation")
-        return client_round(cfg, task, store, cid, msg, extra_ref, held)
-    from ciders.federation import secure
-
-    weight = secure.own_weight(cfg, task.clients()[cid]) if phase == "train" else None  # checked, not taken
-    return secure.client_phase(phase, cfg, sessions, cid, msg,
-                               train=lambda inner: client_train(cfg, task, store, cid, inner, extra_ref, held),
-                               weight=weight)
-
-
-def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: bytes, extra_ref: dict,
-                 held: StaticHolder | None = None) -> tuple[alg.Upload, dict]:
-    """`client_round` up to the upload: (the Upload, with Delta_i in `delta`, and the full metrics record)."""
-    acfg = cfg.algorithm
-    ref = task.initial_messenger()  # shapes / dtypes / device only
-    ad = cfg.federation.adapter_dtype  # the messenger and student arrive in it; training runs in ref's dtype
-    extra_ref = {k: wire_dtype(v, ad) if k in ADAPTERS else v for k, v in extra_ref.items()}
-    b, extra = codec.decode_broadcast(msg, ref, extra_ref, device=_dev(ref), messenger_wire=wire_dtype(ref, ad))
-    b = replace(b, messenger={k: v.to(ref[k].dtype) for k, v in b.messenger.items()})
-    if held is not None:
-        for name in getattr(task, "static_extra", lambda: ())():
-            if name in extra:
-                held.save(name, extra[name])
-            else:
-                extra[name] = held.load(name, extra_ref[name], _dev(ref))
-    task.begin_round(b.round, extra)
-    rec = store.get(cid)
-    state = _on_device(None if rec is None else codec.client_from_record(*rec), cid, ref)
-    with timing.phase("client steps"):  # B_L(x) for the round's batches and the K steps
-        batches = task.batches(cid, b.round, acfg.local_steps * acfg.grad_accum, cfg.seed)
-        up, state, cm = alg.client_update(acfg, b, state, task.loss_fn(cid), batches,
-                                          dp.client_privacy(cfg, b.round, cid))
-    store.put(cid, b.round, *codec.client_record(state))
-    return up, cm
-
-
-def client_report(store: RoundStore, cid: str) -> bytes:
-    """The client side of a "report": its personalized messenger x_K of its last participation (none if
-    it never trained or keeps none) as wire bytes."""
-    rec = store.get(cid)
-    pers = codec.client_from_record(*rec).personalized if rec else None
-    return wire.encode({"personalized": pers}, {"client_id": cid})[0]  # a None component is left out
-
-
 # ---------------------------------------------------------------------------------------------- state moves
 
 
@@ -540,16 +436,3 @@ def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:
         return alg.init_copy(ref)
     cp = codec.copy_from_record(*rec)
     return replace(cp, c_i={k: v.to(_dev(ref)) for k, v in cp.c_i.items()})
-
-
-def _on_device(s: alg.ClientState | None, cid: str, ref: dict) -> alg.ClientState:
-    """A client's saved state on the messenger's device (a fresh one if it never trained)."""
-    if s is None:
-        return alg.init_client(cid, ref)
-    dev = _dev(ref)
-
-    def mv(st):
-        return None if st is None else {k: v.to(dev) for k, v in st.items()}
-
-    pending = None if s.pending is None else alg.Pending(mv(s.pending.dc), s.pending.base_version, s.pending.round)
-    return alg.ClientState(s.client_id, mv(s.c_i), s.version, pending, mv(s.personalized))

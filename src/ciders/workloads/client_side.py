@@ -1,4 +1,4 @@
-"""What a CIDERS client round reads from its task (`federation.rounds.client_round`): the client's data as
+"""What a CIDERS client round reads from its task (`federation.ciders_client.client_round`): the client's data as
 micro-batches of cached backbone outputs, the messenger loss, and the reference shapes of what the server
 sends. Shared by the server-side `LLMTask` (in-process clients share the server's model) and the edge
 client's `EdgeTask` (a Flower client holding AdapEmu only), so both engines run the same client code.

@@ -27,7 +27,7 @@ from ciders.models import edge_spec as es
 from ciders.models.edge_guard import bound_chat_template
 from ciders.models.messenger_loss import MessengerLoss, step_compute_dtype
 from ciders.models.split import split_layers
-from ciders.federation.rounds import StaticHolder
+from ciders.federation.ciders_client import StaticHolder
 from ciders.fileio import write_text
 from ciders.runtime import DTYPES, resolve_device, resolve_dtype
 from ciders.workloads.client_side import ClientSide

@@ -1,4 +1,4 @@
-"""The ClientApp: one edge client per SuperNode, running `federation.rounds.client_round`.
+"""The ClientApp: one edge client per SuperNode, running `federation.ciders_client.client_round`.
 
 Identity: the stable client id is `client<partition-id>` from the node config (Flower's node ids change
 per run and per restart). The client reports it in every reply; the server keys all its state by it.

@@ -88,7 +88,7 @@ def ciders_phase(f: dict, payload: bytes, cid: str, state: Path, data_file: str 
     the node's warm worker does (the same function, so the same numbers)."""
     t, committed, phase = int(f["round"]), int(f["committed"]), f.get("phase")
     if phase == "train":
-        from ciders.federation.rounds import StaticHolder, client_phase
+        from ciders.federation.ciders_client import StaticHolder, client_phase
         from ciders.federation.secure import Sessions
 
         cfg, task = _task(str(f["config"]), state, cid, data_file)
@@ -108,6 +108,6 @@ def ciders_phase(f: dict, payload: bytes, cid: str, state: Path, data_file: str 
     if phase != "report":
         raise ValueError(f"{cid}: CIDERS has no phase {phase!r}")
     # report: the personalized messenger of this round (not yet committed by the server)
-    from ciders.federation.rounds import client_report
+    from ciders.federation.ciders_client import client_report
 
     return {"client_id": cid}, client_report(_store(state, committed, keep_current=True), cid)
