@@ -144,6 +144,11 @@ def test_both_families_share_one_federation_section():
         replace(BilevelFederationConfig(), tracking="wandb").validate()
     every2 = FederationConfig(rounds=5, eval_every=2)
     assert [t for t in range(-1, 5) if every2.evaluates(t)] == [-1, 1, 3, 4]
+    for cls in (FederationConfig, BilevelFederationConfig):  # one schedule: both keys in both families
+        assert [t for t in range(-1, 6) if cls(rounds=6, eval_rounds=2).evaluates(t)] == [-1, 4, 5]
+        assert [t for t in range(-1, 6) if cls(rounds=6, eval_every=2, eval_rounds=3).evaluates(t)] == [-1, 3, 5]
+        with pytest.raises(ConfigError, match="federation.eval_rounds"):
+            cls(rounds=2, eval_rounds=3).validate()
 
 
 def test_the_rabo_family_gets_the_console_line_tensorboard_and_bytes_per_phase(tmp_path):

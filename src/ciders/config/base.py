@@ -426,7 +426,6 @@ class FederationConfig(RunFederation):
                             "(`ciders compare --tune`)")
     per_round: int | None = opt(None, "clients sampled per round (partial participation); null = all")
     rounds: int = opt(3, "T: communication rounds")
-    eval_every: int = opt(1, "evaluate every N rounds (0 = only before the first and after the last)")
     eval_clients: Literal["all", "participants"] = opt("all", "whose personalized messengers to evaluate")
     store_cache: int = opt(16, "client records held in memory (the rest stay on disk)")
     emulator_dtype: Literal["model", "float32", "bfloat16", "float16"] = opt(
@@ -462,9 +461,8 @@ class FederationConfig(RunFederation):
         if not 0 <= self.validation < 1 or self.holdout + self.validation >= 1:
             raise ConfigError(f"federation.validation: must be in [0, 1) with holdout + validation < 1 (something "
                               f"must be left to train on), got {self.validation} with holdout {self.holdout}")
-        for k in ("eval_every", "store_cache"):
-            if getattr(self, k) < (0 if k == "eval_every" else 1):
-                raise ConfigError(f"federation.{k}: must be >= {0 if k == 'eval_every' else 1}, got {getattr(self, k)}")
+        if self.store_cache < 1:
+            raise ConfigError(f"federation.store_cache: must be >= 1, got {self.store_cache}")
         if self.dirichlet_alpha <= 0:
             raise ConfigError(f"federation.dirichlet_alpha: must be > 0, got {self.dirichlet_alpha}")
         if self.emulator_quantize != "none" and self.emulator_dtype != "model":
@@ -475,11 +473,6 @@ class FederationConfig(RunFederation):
         self.dp.validate()
         if self.secure_aggregation:
             self.secagg.check_round_size(self.per_round or self.clients)
-
-    def evaluates(self, t: int) -> bool:
-        """Round t ends with an evaluation: every `eval_every` rounds, the last round, and the model before the
-        first round (t = -1)."""
-        return t in (-1, self.rounds - 1) or bool(self.eval_every and (t + 1) % self.eval_every == 0)
 
 
 def _finite(key: str, value: float) -> float:

@@ -102,10 +102,6 @@ class BilevelFederationConfig(RunFederation):
     capacities: tuple[float, ...] = opt((1.0, 0.5, 0.25, 0.125, 0.0625),
                                         "capacity ratios R, assigned to clients in turn (client i gets R[i mod len])")
     rounds: int = opt(20, "Q: global iterations")
-    eval_rounds: int = opt(0, "evaluate the global model after only the last N rounds (0 = after every round); "
-                           "the initial model is evaluated either way (a table's untrained row). Evaluation "
-                           "dominates a CPU-scale few-shot run: a table that averages the last K rounds "
-                           "(--last-rounds K) needs only eval_rounds = K")
     max_step_ratio: float | None = opt(
         10.0, "reject a reply whose server step (beta G_i, alpha h_i, or the local baselines' model change) exceeds "
         "this multiple of max(r, 1), r the norm at the run's start of what it moves (||y_0||, ||x_0||, ||(x_0, y_0)||; "
@@ -114,16 +110,8 @@ class BilevelFederationConfig(RunFederation):
     def validate(self) -> None:
         check_choices(self, "federation")
         self.validate_shared()
-        if not 0 <= self.eval_rounds <= self.rounds:
-            raise ConfigError(f"federation.eval_rounds: must be in 0 .. federation.rounds ({self.rounds}), got "
-                              f"{self.eval_rounds}")
         if not self.capacities or any(not 0 < r <= 1 for r in self.capacities):
             raise ConfigError(f"federation.capacities: each must be in (0, 1], got {list(self.capacities)}")
-
-    def evaluates(self, q: int) -> bool:
-        """Whether the global model is evaluated after round q: every round, or only the last `eval_rounds`;
-        q = -1, the initial model, always (what training added is read against it)."""
-        return q == -1 or not self.eval_rounds or q >= self.rounds - self.eval_rounds
 
     def client_capacities(self) -> list[float]:
         return [self.capacities[i % len(self.capacities)] for i in range(self.clients)]
