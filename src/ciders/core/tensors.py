@@ -17,6 +17,11 @@ def _same_keys(a: Mapping, b: Mapping) -> None:
         raise KeyError(f"state key sets differ ({len(missing)} keys, e.g. {missing[0]!r})")
 
 
+def device_of(a: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device of a state's tensors (its first one: a state lives on one device)."""
+    return next(iter(a.values())).device
+
+
 def zeros_like(a: Mapping[str, torch.Tensor]) -> State:
     return {k: torch.zeros_like(v) for k, v in a.items()}
 

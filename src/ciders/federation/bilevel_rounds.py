@@ -34,6 +34,7 @@ from ciders.algorithms.registry import get
 from ciders.core import aggregate as agg
 from ciders.core import masks as mk
 from ciders.core import submodel as sm
+from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
 from ciders.federation.bilevel_codec import decode_reply, encode_message
 from ciders.federation.exchange import client_id, client_index
@@ -41,8 +42,6 @@ from ciders.federation.exchange import client_id, client_index
 REF_XY = "||(x_0, y_0)||"  # how a local baseline's rejection names its bound's reference
 
 
-def _device(st: dict) -> torch.device:
-    return next(iter(st.values())).device
 
 
 def _ones(st: dict) -> dict:
@@ -226,7 +225,8 @@ class BilevelServer:
         s, rejected, xs, ys = self.state, {}, [], []
         for i in replies:
             try:
-                comps = decode_reply(replies[i], s.round, i, "local", ("x", "y"), {"x": s.x, "y": s.y}, _device(s.x))
+                comps = decode_reply(replies[i], s.round, i, "local", ("x", "y"), {"x": s.x, "y": s.y},
+                                     device_of(s.x))
                 moved = rb.joined({k: v - s.x[k] for k, v in comps["x"].items()},
                                   {k: v - s.y[k] for k, v in comps["y"].items()})
                 why = agg.step_check(moved, s.ref["xy"], self.exp.federation.max_step_ratio, REF_XY)

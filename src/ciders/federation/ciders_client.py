@@ -17,6 +17,7 @@ from ciders.algorithms import ciders as alg
 from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
+from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
 from ciders.federation import codec, dp, records
 from ciders import phases as timing
@@ -85,14 +86,15 @@ def client_train(cfg: ExperimentConfig, task, store: RoundStore, cid: str, msg: 
     ref = task.initial_messenger()  # shapes / dtypes / device only
     ad = cfg.federation.adapter_dtype  # the messenger and student arrive in it; training runs in ref's dtype
     extra_ref = {k: codec.wire_dtype(v, ad) if k in codec.ADAPTERS else v for k, v in extra_ref.items()}
-    b, extra = codec.decode_broadcast(msg, ref, extra_ref, device=_dev(ref), messenger_wire=codec.wire_dtype(ref, ad))
+    b, extra = codec.decode_broadcast(msg, ref, extra_ref, device=device_of(ref),
+                                      messenger_wire=codec.wire_dtype(ref, ad))
     b = replace(b, messenger={k: v.to(ref[k].dtype) for k, v in b.messenger.items()})
     if held is not None:
         for name in getattr(task, "static_extra", lambda: ())():
             if name in extra:
                 held.save(name, extra[name])
             else:
-                extra[name] = held.load(name, extra_ref[name], _dev(ref))
+                extra[name] = held.load(name, extra_ref[name], device_of(ref))
     task.begin_round(b.round, extra)
     rec = store.get(cid)
     state = _on_device(None if rec is None else codec.client_from_record(*rec), cid, ref)
@@ -112,15 +114,13 @@ def client_report(store: RoundStore, cid: str) -> bytes:
     return wire.encode({"personalized": pers}, {"client_id": cid})[0]  # a None component is left out
 
 
-def _dev(ref: dict):
-    return next(iter(ref.values())).device
 
 
 def _on_device(s: alg.ClientState | None, cid: str, ref: dict) -> alg.ClientState:
     """A client's saved state on the messenger's device (a fresh one if it never trained)."""
     if s is None:
         return alg.init_client(cid, ref)
-    dev = _dev(ref)
+    dev = device_of(ref)
 
     def mv(st):
         return None if st is None else {k: v.to(dev) for k, v in st.items()}

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from ciders import algorithms
 from ciders.algorithms import ciders as alg
 from ciders.federation import codec
 from ciders.config import ExperimentConfig
 from ciders.core import wire
 from ciders.core.store import RoundStore
+from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
 from ciders.federation import console, dp, records
 from ciders.federation.exchange import Admitted, Reply
@@ -105,8 +104,8 @@ def check_uploads(acfg, ref: dict, known_ids, t: int, sampled: tuple, got: Admit
     """Decode and check what the loop admitted in a train phase (`federation.exchange.admit`: it refused client
     errors, replies the transport could not accept, replies from clients not sampled this round and second
     replies): this round's replies (in sampling order: sums are order-sensitive), uploads delayed from earlier
-    rounds (kind "late", first) and duplicated deliveries (kind "copy", last). A metrics record that does not fit its schema
-    (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes (or is not
+    rounds (kind "late", first) and duplicated deliveries (kind "copy", last). A metrics record that does not fit
+    its schema (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes (or is not
     finite), an upload that claims another client's id and an unknown client id are rejected with the reason;
     none of them reaches the server update. The server's own record fields (event, round, client, bytes) are
     written after the client's; `down_by` holds the bytes each client was sent this round."""
@@ -127,7 +126,7 @@ def check_uploads(acfg, ref: dict, known_ids, t: int, sampled: tuple, got: Admit
     uploads = []
     for who, m in msgs:
         try:
-            up = codec.decode_upload(m, ref, device=_dev(ref))
+            up = codec.decode_upload(m, ref, device=device_of(ref))
         except PayloadError as exc:
             rejected[who if who != "?" else f"#{len(rejected)}"] = str(exc)
             continue
@@ -367,7 +366,7 @@ class Coordinator:
 
     def _read_report(self, t: int, r: Reply) -> dict | None:
         try:
-            comps, meta = wire.decode(r.payload, {"personalized": self.ref}, device=_dev(self.ref))
+            comps, meta = wire.decode(r.payload, {"personalized": self.ref}, device=device_of(self.ref))
             if meta.get("client_id") != r.client_id:
                 raise PayloadError(f"report claims to be from {meta.get('client_id')!r}")
         except PayloadError as exc:
@@ -387,7 +386,7 @@ class Coordinator:
             with timing.phase("evaluation"):
                 return self.task.evaluate(-1, self.state.server, {})
         got = self.round.personalized
-        pers = {cid: {k: v.to(_dev(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
+        pers = {cid: {k: v.to(device_of(self.ref)) for k, v in got[cid].items()} for cid in self.ids if cid in got}
         with timing.phase("evaluation"):
             return self.task.evaluate(t, self.round.next.server, pers)
 
@@ -422,12 +421,10 @@ class Coordinator:
 # ---------------------------------------------------------------------------------------------- state moves
 
 
-def _dev(ref: dict) -> torch.device:
-    return next(iter(ref.values())).device
 
 
 def _to_device(s: alg.ServerState, ref: dict) -> alg.ServerState:
-    return codec.server_to(s, _dev(ref))  # every field, the server optimizer's moments included
+    return codec.server_to(s, device_of(ref))  # every field, the server optimizer's moments included
 
 
 def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:
@@ -435,4 +432,4 @@ def _load_copy(store: RoundStore, cid: str, ref: dict) -> alg.ServerCopy:
     if rec is None:
         return alg.init_copy(ref)
     cp = codec.copy_from_record(*rec)
-    return replace(cp, c_i={k: v.to(_dev(ref)) for k, v in cp.c_i.items()})
+    return replace(cp, c_i={k: v.to(device_of(ref)) for k, v in cp.c_i.items()})
