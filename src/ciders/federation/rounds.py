@@ -64,6 +64,7 @@ class InFlight:
     sampled: tuple[str, ...]
     down_extra: dict
     next: RunState
+    sent: dict = field(default_factory=dict)  # the phase's messages: client -> bytes per component (None: not counted)
     changed: tuple[str, ...] = ()  # clients whose server copy this round rewrote
     result: tuple = ()  # the train phase's (server record, TAKD record, Checked): `finish` writes them
     personalized: dict = field(default_factory=dict)  # client -> messenger (evaluation rounds)
@@ -265,7 +266,8 @@ class Coordinator:
         if phase == "report":
             return {cid: b"" for cid in self.eval_clients(t)}
         if self.secure is not None:
-            self.round, out, self._sizes = self.secure.configure(phase, t, self.round, self._secure_broadcast)
+            rnd, out, sent = self.secure.configure(phase, t, self.round, self._secure_broadcast)
+            self.round = replace(rnd, sent=sent)
             return out
         if phase != "train":
             raise ValueError(f"CIDERS has no phase {phase!r}")
@@ -275,7 +277,7 @@ class Coordinator:
             out[cid], sizes, yes = broadcast_message(self.cfg.algorithm, self.state, copy, cid, rnd.down_extra,
                                                      self.static, adapter_dtype=self.cfg.federation.adapter_dtype)
             counted[cid] = sizes if yes else None
-        self._sizes = counted
+        self.round = replace(rnd, sent=counted)
         return out
 
     def _secure_broadcast(self, cid: str) -> tuple[bytes, bool]:
@@ -289,10 +291,10 @@ class Coordinator:
         (the evaluation's reading of a personalized messenger) is not traffic of the method. Under secure
         aggregation, every protocol message and reply too."""
         if self.secure is not None:
-            return self._sizes.get(cid) if direction == "down" else self.secure.up_sizes(phase, msg)
+            return self.round.sent.get(cid) if direction == "down" else self.secure.up_sizes(phase, msg)
         if phase != "train":
             return None
-        return self._sizes.get(cid) if direction == "down" else upload_sizes(self.cfg.algorithm, msg)
+        return self.round.sent.get(cid) if direction == "down" else upload_sizes(self.cfg.algorithm, msg)
 
     def aggregate(self, phase: str, t: int, got: Admitted, traffic: Traffic,
                   mark: Callable[[str], None] = lambda p: None) -> list[dict]:
