@@ -1,206 +1,252 @@
-"""The round loop's own chores (`federation.loop.run_rounds`), the same for every method family: it admits the
-replies (`exchange.admit`), counts the bytes (`ledger.Traffic`), writes the records through the sinks, keeps the
-evaluation schedule, and checkpoints and commits each round. A toy strategy drives it here; the RABO family, which
-once had none of this from the loop, gets the console line, TensorBoard and per-phase bytes from it."""
-
 import json
-from dataclasses import replace
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-import torch
 
-from ciders.config import BilevelFederationConfig, FederationConfig
-from ciders.config.federation import RunFederation
-from ciders.errors import ConfigError
-from ciders.federation.bilevel_loop import run_bilevel
-from ciders.federation.exchange import Reply, admit
-from ciders.federation.inprocess import Faults, SimulatedCrash
-from ciders.federation.ledger import Ledger, Traffic
-from ciders.federation.loop import run_rounds
-from ciders.federation.rundir import RunDir
-from ciders.federation.sinks import Sinks
+from ciders.algorithms import ciders as alg
+from ciders.federation import codec
+from ciders.config import load_config
+from ciders.core.store import RoundStore
+from ciders.core.tensors import equal, lincomb, max_abs_diff
+from ciders.federation.loop import Faults, RunDir, SimulatedCrash
+from ciders.federation.ciders_loop import run_federation
+from synthetic import VectorTask
+from ciders.errors import CidersError
 from ciders.fileio import read_jsonl
-from helpers import QuadTask, bilevel_exp, event_scalars
+from conftest import ROOT
+
+VEC = ["federation.clients=5", "federation.rounds=4", "federation.per_round=3", "algorithm.local_steps=3",
+       "algorithm.optimizer=adamw", "algorithm.lr=0.05", "algorithm.gamma=0.3", "algorithm.alpha=0.2",
+       "algorithm.tau=0.5", "algorithm.metagrad=fd", "algorithm.schedule=warmup_cosine", "algorithm.warmup_steps=2"]
 
 
-# ---------------------------------------------------------------------------------------------- admission
+def vec_cfg(*extra):
+    return load_config(None, VEC + list(extra))
 
 
-def test_admission_refuses_errors_strangers_and_second_replies_with_why():
-    replies = [Reply("a", b"1"), Reply("b", error="ValueError: boom"), Reply("c", rejected="unreadable"),
-               Reply("z", b"2"), Reply("a", b"3"), Reply("a", b"4", kind="late"), Reply("b", b"5", kind="copy")]
-    got = admit(replies, ["a", "b", "c"], "train", 4)
-    assert [r.payload for r in got.replies] == [b"1"]  # the first reply of a client sent a message
-    assert [r.kind for r in got.others] == ["late", "copy"]
-    assert got.refused == {"b": "client error: ValueError: boom", "c": "unreadable",
-                           "z": "a reply from a client sent no train message in round 4",
-                           "a": "a second train reply in round 4"}
-    assert got.failed == {"b"}
+def run_vec(out, faults=None, resume=False, n=5, cfg=None):
+    return run_federation(cfg or vec_cfg(), VectorTask(n), out, resume=resume, faults=faults, progress=False,
+                          log=lambda s: None)
 
 
-def test_admission_bounds_a_hostile_id_and_error_text():
-    got = admit([Reply("x" * 10_000, b"1"), Reply("a", error="e" * 10_000)], ["a"], "inner", 0)
-    assert max(len(k) for k in got.refused) <= 64 and len(got.refused["a"]) <= len("client error: ") + 200
+def in_sync(cs: alg.ClientState, cp: alg.ServerCopy) -> bool:
+    """Equal copies, or equal once the client commits its pending increment (next contact)."""
+    if cs.version == cp.version:
+        return equal(cs.c_i, cp.c_i)
+    p = cs.pending
+    return p is not None and cp.version == cs.version + 1 and equal({k: cs.c_i[k] + p.dc[k] for k in cs.c_i}, cp.c_i)
 
 
-# ---------------------------------------------------------------------------------------------- bytes
+def stores(out):
+    c = RunDir(out).committed()
+    return RoundStore(out / "clients", c), RoundStore(out / "server", c)
 
 
-def test_traffic_counts_each_message_and_its_components_and_skips_the_uncounted():
-    tr = Traffic()
-    tr.add("down", "a", b"12345", {"messenger": 4, "header": 1})
-    tr.add("down", "b", b"123", None)  # not sent in the method's own terms (e.g. no communication)
-    tr.add("down", "a", b"12", {"secagg_keys": 2})  # a second phase adds to the client's and the component's count
-    tr.add("up", "a", b"1", {"dc": 1})
-    assert tr.down == {"messenger": 4, "header": 1, "secagg_keys": 2} and tr.down_by == {"a": 7}
-    assert tr.up == {"dc": 1} and tr.up_by == {"a": 1}
+def test_same_seed_identical_metrics(tmp_path):
+    run_vec(tmp_path / "a")
+    run_vec(tmp_path / "b")
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    assert {r["event"] for r in rows} == {"prealign", "eval", "client", "server", "takd", "round"}
+    assert all("seconds" not in json.dumps(r) for r in rows)  # timings live in timing.jsonl
+    assert len(read_jsonl(tmp_path / "a" / "timing.jsonl")) == 5
 
 
-# ---------------------------------------------------------------------------------------------- a toy strategy
-
-
-class Toy:
-    """Two clients, one phase; the state is a number that each reply adds to."""
-
-    def __init__(self, root, evaluates=lambda t: True, fresh=True, state=0):
-        self.federation = type("F", (), {"evaluates": staticmethod(evaluates)})()
-        self.ledger = Ledger(RunDir(root), Sinks([]), keep=2)
-        self.fresh, self.first_round, self.state, self.next, self.seen = fresh, 0 if fresh else state + 1, state, 0, []
-
-    def prepare(self):
-        return [{"event": "prepared", "round": -1}]
-
-    def begin(self, t):
-        self.next = self.state
-
-    def phases(self, t):
-        return ("work",)
-
-    def configure(self, phase, t):
-        return {"c0": b"abc", "c1": b"de"}
-
-    def count(self, direction, phase, cid, msg):
-        return {f"{direction}-{phase}": len(msg)}
-
-    def aggregate(self, phase, t, got, traffic, mark):
-        self.seen.append((sorted(r.client_id for r in got.replies), dict(got.refused)))
-        self.next += sum(int(r.payload) for r in got.replies)
-        return [{"event": "client", "round": t, "client": r.client_id} for r in got.replies]
-
-    def finish(self, t, traffic):
-        return [{"event": "round", "round": t, "bytes_down": dict(traffic.down), "bytes_up": dict(traffic.up),
-                 "by": dict(traffic.down_by)}]
-
-    def evaluate(self, t):
-        return {"value": self.next if t >= 0 else self.state}
-
-    def to_record(self):
-        return {"v": torch.tensor([float(self.next)])}, {"state": self.next}
-
-    def commit(self, t):
-        self.state = self.next
-
-    def close(self):
-        return {"state": self.state}
-
-
-def toy_exchange(phase, t, msgs):
-    return [Reply("c0", b"1"), Reply("c1", error="lost"), Reply("c9", b"100")]
-
-
-def test_the_loop_admits_counts_records_evaluates_on_schedule_and_commits(tmp_path):
-    toy = Toy(tmp_path, evaluates=lambda t: t in (-1, 2))
-    assert run_rounds(toy, toy_exchange, 3) == {"state": 3}
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [(r["event"], r["round"]) for r in rows] == [
-        ("prepared", -1), ("eval", -1), ("client", 0), ("round", 0), ("client", 1), ("round", 1),
-        ("client", 2), ("round", 2), ("eval", 2)]
-    assert rows[3]["bytes_down"] == {"down-work": 5} and rows[3]["bytes_up"] == {"up-work": 1}
-    assert rows[3]["by"] == {"c0": 3, "c1": 2} and rows[-1]["value"] == 3
-    assert toy.seen[0] == (["c0"], {"c1": "client error: lost", "c9": "a reply from a client sent no work message "
-                                                                       "in round 0"})
-    assert RunDir(tmp_path).committed() == 2 and RunDir(tmp_path).load_checkpoint(2)[1] == {"state": 3}
-    assert json.loads((tmp_path / "eval" / "round_0002.json").read_text())["value"] == 3
-    assert (tmp_path / "eval" / "before.json").is_file() and not (tmp_path / "eval" / "round_0001.json").exists()
-
-
-def test_a_crash_before_the_checkpoint_leaves_the_last_commit(tmp_path):
-    toy = Toy(tmp_path)
+@pytest.mark.parametrize("phase", ["client:0", "client:2", "server", "takd", "checkpoint", "commit"])
+@pytest.mark.parametrize("t", [0, 2])
+def test_resume_after_a_crash_anywhere_gives_the_same_run(tmp_path, phase, t):
+    run_vec(tmp_path / "ref")
     with pytest.raises(SimulatedCrash):
-        run_rounds(toy, toy_exchange, 3, Faults(crash=(1, "checkpoint")))
-    assert RunDir(tmp_path).committed() == 0 and toy.state == 1  # round 1 never committed
+        run_vec(tmp_path / "x", Faults(crash=(t, phase)))
+    run_vec(tmp_path / "x", resume=True)
+    assert (tmp_path / "x" / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+    ca, sa = stores(tmp_path / "ref")
+    cb, sb = stores(tmp_path / "x")
+    for cid in VectorTask(5).ids:
+        for a, b in ((ca, cb), (sa, sb)):
+            ra, rb = a.get(cid), b.get(cid)
+            assert (ra is None) == (rb is None)
+            if ra:
+                assert ra[1] == rb[1] and equal(ra[0], rb[0])
 
 
-# ---------------------------------------------------------------------------------------------- both families
+def test_fresh_run_refuses_an_existing_run_and_resume_checks_the_config(tmp_path):
+    run_vec(tmp_path / "r")
+    with pytest.raises(CidersError, match="already holds a run .*--resume"):
+        run_vec(tmp_path / "r")
+    with pytest.raises(CidersError, match="differs from the run's config.yaml at 'algorithm.gamma'"):
+        run_vec(tmp_path / "r", resume=True, cfg=vec_cfg("algorithm.gamma=0.4"))
 
 
-def test_both_families_share_one_federation_section():
-    for cls in (FederationConfig, BilevelFederationConfig):
-        assert issubclass(cls, RunFederation)
-        for key, bad in (("checkpoint_keep", 0), ("rounds", 0), ("max_step_ratio", 0.0)):
-            with pytest.raises(ConfigError, match=f"federation.{key}"):
-                replace(cls(), **{key: bad}).validate()
-    with pytest.raises(ConfigError, match="federation.tracking"):
-        replace(BilevelFederationConfig(), tracking="wandb").validate()
-    every2 = FederationConfig(rounds=5, eval_every=2)
-    assert [t for t in range(-1, 5) if every2.evaluates(t)] == [-1, 1, 3, 4]
-    for cls in (FederationConfig, BilevelFederationConfig):  # one schedule: both keys in both families
-        assert [t for t in range(-1, 6) if cls(rounds=6, eval_rounds=2).evaluates(t)] == [-1, 4, 5]
-        assert [t for t in range(-1, 6) if cls(rounds=6, eval_every=2, eval_rounds=3).evaluates(t)] == [-1, 3, 5]
-        with pytest.raises(ConfigError, match="federation.eval_rounds"):
-            cls(rounds=2, eval_rounds=3).validate()
+def test_channel_faults_keep_every_consensus_copy_in_sync(tmp_path):
+    cfg = vec_cfg("federation.per_round=null", "federation.rounds=6")
+    faults = Faults(drop={(0, "c0000"), (3, "c0002")}, duplicate={(1, "c0001"), (2, "c0003")},
+                    delay={(2, "c0004"), (4, "c0000")}, corrupt={(1, "c0002")})
+    run_vec(tmp_path / "r", faults, cfg=cfg)
+    rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    server = {r["round"]: r for r in rows if r["event"] == "server"}
+    assert "c0000" not in server[0]["accepted"]
+    assert "duplicate" in server[1]["rejected"]["c0001"] and "c0001" in server[1]["accepted"]
+    assert "late" in server[3]["rejected"]["c0004"] and "c0004" not in server[2]["accepted"]
+    assert any("NaN" in why for why in server[1]["rejected"].values()) and "c0002" not in server[1]["accepted"]
+    cs, ss = stores(tmp_path / "r")
+    for cid in VectorTask(5).ids:
+        client, copy = codec.client_from_record(*cs.get(cid)), codec.copy_from_record(*ss.get(cid))
+        assert in_sync(client, copy), cid
+    versions = {cid: codec.copy_from_record(*ss.get(cid)).version for cid in VectorTask(5).ids}
+    assert versions == {"c0000": 4, "c0001": 6, "c0002": 4, "c0003": 6, "c0004": 5}
 
 
-def test_the_rabo_family_gets_the_console_line_tensorboard_and_bytes_per_phase(tmp_path):
-    pytest.importorskip("tensorboard", reason="federation.tensorboard needs the tensorboard package")
-    exp = bilevel_exp("rabo", rounds=2)
-    exp = replace(exp, federation=replace(exp.federation, tensorboard=True))
-    lines = []
-    summary = run_bilevel(exp, QuadTask(), tmp_path, log=lines.append)
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    rounds = [r for r in rows if r["event"] == "round"]
-    for r in rounds:  # per phase, equal to the lengths the client records carry
-        clients = [c for c in rows if c["event"] == "client" and c["round"] == r["round"]]
-        for phase in ("inner", "outer"):
-            assert r["bytes_down"][phase] == sum(c["bytes_down"] for c in clients if c["phase"] == phase) > 0
-            assert r["bytes_up"][phase] == sum(c["bytes_up"] for c in clients if c["phase"] == phase) > 0
-    assert summary["bytes_down"] == sum(sum(r["bytes_down"].values()) for r in rounds)
-    console = [s for s in lines if s.startswith("round ")]
-    assert len(console) == 3 and "C_x*" in console[-1] and "MiB so far" in console[-1], console
-    _, got = event_scalars(tmp_path / "tensorboard")
-    assert got[1]["round/bytes_down/outer"] == rounds[1]["bytes_down"]["outer"] and "client/calls/mean" in got[1]
-    assert "eval/" + next(k for k, v in rows[0].items() if isinstance(v, float)) in got[-1]
+@pytest.mark.parametrize("ratio", ["10.0", "null"])
+def test_a_huge_upload_is_refused_by_the_engine_and_the_run_goes_on(tmp_path, monkeypatch, ratio):
+    """c0002's round-1 upload is replaced by a finite but huge increment: with the default bound the server
+    refuses it and every later round trains; with the bound off (null) it is accepted (the key is wired)."""
+    import torch
+
+    from ciders.federation import ciders_loop as loop
+
+    def huge(upmsg, ref):
+        up = codec.decode_upload(upmsg, ref)
+        return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+                                              {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
+
+    monkeypatch.setattr(loop, "_nan_upload", huge)
+    cfg = vec_cfg("federation.per_round=null", f"federation.max_step_ratio={ratio}")
+    run_vec(tmp_path / "r", Faults(corrupt={(1, "c0002")}), cfg=cfg)
+    server = {r["round"]: r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r["event"] == "server"}
+    if ratio == "null":
+        assert "c0002" in server[1]["accepted"]
+        return
+    assert "exceeds max_step_ratio" in server[1]["rejected"]["c0002"] and len(server[1]["accepted"]) == 4
+    assert all(len(server[t]["accepted"]) == 5 for t in (2, 3)) and server[3]["c_norm"] < 1e3
 
 
-def test_the_generic_loop_knows_no_method_family():
-    """federation.loop (the loop, the strategy protocol) and the modules it uses import no family's code: no update
-    rule, codec, task protocol or round of either family."""
-    import ast
-    from pathlib import Path
+def test_reconstruction_through_the_engine_equals_the_client_displacement(tmp_path):
+    """Eq. 11 on the server side equals the client's true (w - x_K) / (K eta_bar), round after round."""
+    cfg = vec_cfg("federation.per_round=null", "federation.rounds=5", "algorithm.tau=1.0", "algorithm.gamma=0.0",
+                  "algorithm.eps_prox=0.0", "algorithm.eta_in=0.0", "algorithm.optimizer=sgd",
+                  "algorithm.schedule=constant", "algorithm.metagrad=fo", "algorithm.max_grad_norm=0")
+    out = tmp_path / "r"
+    run_vec(out, cfg=cfg)
+    # with tau = 1 and no correction the new global messenger is FedAvg of the personalized ones
+    cs, _ = stores(out)
+    tensors, meta = RunDir(out).load_checkpoint(4)
+    w = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
+                                 meta["server"]).messenger
+    sizes = VectorTask(5).clients()
+    xs = [(sizes[c] / sum(sizes.values()), codec.client_from_record(*cs.get(c)).personalized) for c in sorted(sizes)]
+    assert max_abs_diff(w, lincomb(xs)) < 1e-12
 
-    import ciders.federation as fed
 
-    family = ("ciders.algorithms", "ciders.federation.rounds", "ciders.federation.codec", "ciders.federation.secure",
-              "ciders.federation.bilevel", "ciders.federation.ciders_loop", "ciders.workloads", "ciders.models")
-    for name in ("loop", "ledger", "exchange", "sinks", "inprocess", "rundir"):
-        tree = ast.parse((Path(fed.__file__).parent / f"{name}.py").read_text())
-        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not [m for m in mods if m and m.startswith(family)], (name, sorted(mods))
+def test_a_median_run_completes_and_records_its_aggregator(tmp_path, monkeypatch):
+    """algorithm.aggregator=median through the engine: 2 rounds commit, every server record names the aggregator
+    (a mean run's records have no such field), and c0002's huge round-1 upload, accepted with the bound off, does
+    not carry c or the messenger away."""
+    import torch
+
+    from ciders.federation import ciders_loop as loop
+
+    def huge(upmsg, ref):
+        up = codec.decode_upload(upmsg, ref)
+        return codec.encode_upload(alg.Upload(up.client_id, up.round, up.base_version,
+                                              {k: torch.full_like(v, 1e30) for k, v in up.dc.items()}))[0]
+
+    monkeypatch.setattr(loop, "_nan_upload", huge)
+    cfg = vec_cfg("federation.per_round=null", "federation.rounds=2", "federation.max_step_ratio=null",
+                  "algorithm.aggregator=median")
+    out = tmp_path / "r"
+    s = run_vec(out, Faults(corrupt={(1, "c0002")}), cfg=cfg)
+    assert RunDir(out).committed() == 1 and s["client_rounds"] == 10
+    rows = read_jsonl(out / "metrics.jsonl")
+    server = {r["round"]: r for r in rows if r["event"] == "server"}
+    assert sorted(server) == [0, 1] and all(r["aggregator"] == "median" for r in server.values())
+    assert "c0002" in server[1]["accepted"] and len(server[1]["accepted"]) == 5
+    assert server[1]["delta_bar_norm"] < 1e3 and server[1]["c_norm"] < 1e3
+    assert any(r["event"] == "eval" and r["round"] == 1 for r in rows)
+    tensors, meta = RunDir(out).load_checkpoint(1)
+    w = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")}, meta["server"])
+    assert float(w.messenger["x"].abs().max()) < 1e3
+    plain = vec_cfg("federation.rounds=1")
+    run_vec(tmp_path / "mean", cfg=plain)
+    assert all("aggregator" not in r for r in read_jsonl(tmp_path / "mean" / "metrics.jsonl"))
 
 
-def test_a_ciders_round_counts_its_broadcasts_and_uploads_but_not_the_evaluation_s_report(tmp_path):
-    """Every round evaluates here, so each has a report phase (the personalized messengers the evaluation reads):
-    the round's bytes are the train phase's alone, equal to what its client records carry."""
-    from ciders.config import load_config
-    from ciders.federation.ciders_loop import run_federation
-    from synthetic import VEC, VectorTask
+def test_thousand_registered_clients_cost_disk_not_ram(tmp_path):
+    cfg = load_config(None, ["federation.clients=1000", "federation.rounds=3", "federation.per_round=3",
+                             "federation.store_cache=4", "federation.eval_clients=participants",
+                             "algorithm.local_steps=2", "algorithm.optimizer=sgd", "algorithm.lr=0.05"])
+    task = VectorTask(1000)
+    t0 = time.perf_counter()
+    s = run_federation(cfg, task, tmp_path / "r", progress=False)
+    assert time.perf_counter() - t0 < 60 and s["client_rounds"] == 9
+    on_disk = sorted(p.name for p in (tmp_path / "r" / "clients").iterdir())
+    assert len(on_disk) <= 9  # only clients that ever trained have a record
+    assert len(task._params) <= 64
 
-    run_federation(load_config(None, VEC + ["federation.eval_every=1"]), VectorTask(3), tmp_path, progress=False,
-                   log=lambda s: None)
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    for r in (r for r in rows if r["event"] == "round"):
-        clients = [c for c in rows if c["event"] == "client" and c["round"] == r["round"]]
-        assert "personalized" not in r["bytes_up"] and set(r["bytes_up"]) >= {"dc"}
-        assert sum(r["bytes_down"].values()) == sum(c["bytes_down"] for c in clients) > 0
-        assert sum(r["bytes_up"].values()) == sum(c["bytes_up"] for c in clients) > 0
+
+def test_bytes_are_measured_from_the_payloads(tmp_path):
+    s = run_vec(tmp_path / "r")
+    comp = s["mib"]["by_component"]
+    n = s["client_rounds"]
+    tensor_mib = 8 * 8 / 2**20  # one float64 vector of 8
+    for d, k in (("down", "messenger"), ("down", "c"), ("up", "dc")):
+        per = comp[d][k] / n
+        assert tensor_mib < per < tensor_mib + 200 / 2**20  # tensor bytes + a safetensors header
+    rows = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r["event"] == "client"]
+    assert sum(r["bytes_up"] for r in rows) == pytest.approx(s["mib"]["up_total"] * 2**20)
+
+
+def _tiny(tmp_path):
+    cfg = (ROOT / "configs" / "tiny.yaml").read_text().replace("../data/", f"{ROOT}/data/")
+    p = tmp_path / "tiny.yaml"
+    p.write_text(cfg)
+    return p
+
+
+def test_tiny_llm_run_export_and_personalized_export(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from ciders.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", str(_tiny(tmp_path)), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "client0 personalized messenger" in text and "MiB per client per round" in text
+    s = json.loads((out / "summary.json").read_text())
+    assert s["rounds"] == 2 and s["client_rounds"] == 6
+    after = s["eval_after"]
+    assert set(after["clients"]) == {"client0", "client1", "client2"}
+    assert all("personalized" in r for r in after["clients"].values())
+    data = json.loads((out / "data.json").read_text())
+    assert sum(v["train"] + v["heldout"] + sum(v["skipped"].values()) for v in data["partition"].values()) == 30
+    for flag in ([], ["--client", "client1"]):
+        assert main(["export", str(out), "--out", str(tmp_path / f"edge{len(flag)}"), *flag]) == 0
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / f"edge{len(flag)}"))
+    assert main(["export", str(out), "--out", str(tmp_path / "e"), "--client", "nobody"]) == 2
+
+
+def test_tiny_llm_run_killed_for_real_then_resumed(tmp_path):
+    """SIGKILL in the middle of round 1, then --resume: the same metrics as an uninterrupted run."""
+    cfg = _tiny(tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "ciders.cli", "run", str(cfg)]
+    subprocess.run(cmd + ["--out", str(tmp_path / "ref")], check=True, env=env, capture_output=True)
+    out = tmp_path / "x"
+    proc = subprocess.Popen(cmd + ["--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        if any(r["event"] == "client" and r["round"] == 1 for r in rows):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert RunDir(out).committed() == 0  # killed inside round 1
+    subprocess.run(cmd + ["--out", str(out), "--resume"], check=True, env=env, capture_output=True)
+    assert (out / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+    ref_ad = (tmp_path / "ref" / "adapters" / "messenger" / "adapter_model.safetensors").read_bytes()
+    assert (out / "adapters" / "messenger" / "adapter_model.safetensors").read_bytes() == ref_ad
