@@ -192,7 +192,8 @@ def test_the_reference_is_fixed_saved_and_loaded(tmp_path):
     rd = RunDir(tmp_path / "cut")
     tensors, meta = rd.load_checkpoint(2)
     assert meta["ref_norm"] == x0y0  # exact: a float survives JSON
-    resumed = BilevelServer(exp, task, out=tmp_path / "cut", resume=True, log=lambda s: None)
+    resumed = BilevelServer(exp, task, log=lambda s: None)
+    resumed.from_record(2, tensors, meta)
     s = resumed.state
     assert s.round == 3 and s.ref == x0y0 and rb.ref_norms(s.x, s.y) != x0y0  # the state moved, the reference did not
     bl.run_bilevel(exp, task, tmp_path / "cut", resume=True, log=lambda s: None)
@@ -204,7 +205,9 @@ def test_the_reference_is_fixed_saved_and_loaded(tmp_path):
         bl.run_bilevel(exp, task, tmp_path / "old", log=lambda s: None, faults=Faults(crash=(2, "commit")))
     d = RunDir(tmp_path / "old").ckpt / "round_000003" / "state.json"
     d.write_text(json.dumps({k: v for k, v in meta.items() if k != "ref_norm"}))
-    old = BilevelServer(exp, task, out=tmp_path / "old", resume=True, log=lambda s: None).state
+    old = BilevelServer(exp, task, log=lambda s: None)
+    old.from_record(2, *RunDir(tmp_path / "old").load_checkpoint(2))
+    old = old.state
     assert old.ref == rb.ref_norms(old.x, old.y) and equal(old.x, {k: tensors[f"x/{k}"] for k in old.x})
     bl.run_bilevel(exp, task, tmp_path / "old", resume=True, log=lambda s: None)
     assert RunDir(tmp_path / "old").load_checkpoint(4)[1]["ref_norm"] == old.ref

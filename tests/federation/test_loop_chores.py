@@ -9,16 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ciders.config import BilevelFederationConfig, FederationConfig
+from ciders.config import BilevelExperiment, BilevelFederationConfig, FederationConfig
 from ciders.config.federation import RunFederation
-from ciders.errors import ConfigError
+from ciders.errors import CidersError, ConfigError
 from ciders.federation.bilevel_loop import run_bilevel
 from ciders.federation.exchange import Reply, admit
 from ciders.federation.inprocess import Faults, SimulatedCrash
-from ciders.federation.ledger import Ledger, Traffic
+from ciders.federation.ledger import Traffic
 from ciders.federation.loop import run_rounds
 from ciders.federation.rundir import RunDir
-from ciders.federation.sinks import Sinks
 from ciders.fileio import read_jsonl
 from helpers import QuadTask, bilevel_exp, event_scalars
 
@@ -62,13 +61,17 @@ def test_traffic_counts_each_message_and_its_components_and_skips_the_uncounted(
 class Toy:
     """Two clients, one phase; the state is a number that each reply adds to."""
 
-    def __init__(self, root, evaluates=lambda t: True, fresh=True, state=0):
-        self.federation = type("F", (), {"evaluates": staticmethod(evaluates)})()
-        self.ledger = Ledger(RunDir(root), Sinks([]), keep=2)
-        self.fresh, self.first_round, self.state, self.next, self.seen = fresh, 0 if fresh else state + 1, state, 0, []
+    def __init__(self, root, eval_rounds=0):
+        self.experiment = replace(BilevelExperiment(name="toy"),
+                                  federation=BilevelFederationConfig(clients=2, rounds=3, eval_rounds=eval_rounds))
+        self.run, self.ids, self.log, self.extends_rounds = RunDir(root), ["c0", "c1"], lambda s: None, False
+        self.state, self.next, self.seen, self.first_round = 0, 0, [], 0
 
     def prepare(self):
         return [{"event": "prepared", "round": -1}]
+
+    def from_record(self, t, tensors, meta):
+        self.state, self.first_round = meta["state"], t + 1
 
     def begin(self, t):
         self.next = self.state
@@ -109,7 +112,7 @@ def toy_exchange(phase, t, msgs):
 
 
 def test_the_loop_admits_counts_records_evaluates_on_schedule_and_commits(tmp_path):
-    toy = Toy(tmp_path, evaluates=lambda t: t in (-1, 2))
+    toy = Toy(tmp_path, eval_rounds=1)  # the model before round 0, then the last round only
     assert run_rounds(toy, toy_exchange, 3) == {"state": 3}
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [(r["event"], r["round"]) for r in rows] == [
@@ -124,11 +127,17 @@ def test_the_loop_admits_counts_records_evaluates_on_schedule_and_commits(tmp_pa
     assert (tmp_path / "eval" / "before.json").is_file() and not (tmp_path / "eval" / "round_0001.json").exists()
 
 
-def test_a_crash_before_the_checkpoint_leaves_the_last_commit(tmp_path):
+def test_a_crash_before_the_checkpoint_leaves_the_last_commit_and_resume_continues_from_it(tmp_path):
     toy = Toy(tmp_path)
     with pytest.raises(SimulatedCrash):
         run_rounds(toy, toy_exchange, 3, Faults(crash=(1, "checkpoint")))
     assert RunDir(tmp_path).committed() == 0 and toy.state == 1  # round 1 never committed
+    with pytest.raises(CidersError, match="already holds a run"):
+        run_rounds(Toy(tmp_path), toy_exchange, 3)
+    again = Toy(tmp_path)
+    assert run_rounds(again, toy_exchange, 3, resume=True) == {"state": 3} and again.seen[0][0] == ["c0"]
+    assert [(r["event"], r["round"]) for r in read_jsonl(tmp_path / "metrics.jsonl")][-2:] == [("round", 2),
+                                                                                               ("eval", 2)]
 
 
 # ---------------------------------------------------------------------------------------------- both families
@@ -204,3 +213,14 @@ def test_a_ciders_round_counts_its_broadcasts_and_uploads_but_not_the_evaluation
         assert "personalized" not in r["bytes_up"] and set(r["bytes_up"]) >= {"dc"}
         assert sum(r["bytes_down"].values()) == sum(c["bytes_down"] for c in clients) > 0
         assert sum(r["bytes_up"].values()) == sum(c["bytes_up"] for c in clients) > 0
+
+
+def test_a_resumed_rabo_run_reports_what_an_uninterrupted_one_does(tmp_path):
+    """The totals summary.json reports (calls, op_estimate, bytes) come back from the checkpoint on resume."""
+    exp = bilevel_exp("rabo", rounds=3)
+    whole = run_bilevel(exp, QuadTask(), tmp_path / "whole", log=lambda s: None)
+    with pytest.raises(SimulatedCrash):
+        run_bilevel(exp, QuadTask(), tmp_path / "cut", log=lambda s: None, faults=Faults(crash=(1, "commit")))
+    resumed = run_bilevel(exp, QuadTask(), tmp_path / "cut", log=lambda s: None, resume=True)
+    assert {k: v for k, v in whole.items() if k != "seconds"} == {k: v for k, v in resumed.items() if k != "seconds"}
+    assert read_jsonl(tmp_path / "whole" / "metrics.jsonl") == read_jsonl(tmp_path / "cut" / "metrics.jsonl")

@@ -1,10 +1,10 @@
-"""The RABO family's records: a `BilevelState` as checkpoint tensors and back (`flat`, `load_checkpoint`). The
-update rules are `algorithms.rabo`'s; the round's messages are built and read in `federation.bilevel_rounds`."""
+"""The RABO family's records and wire: a `BilevelState` as checkpoint tensors and back (`flat`, `from_record`), and
+the round's messages and replies as `core.wire` bytes (`encode_message`, `decode_reply`, `decode_message`). The
+update rules are `algorithms.rabo`'s."""
 
 from __future__ import annotations
 
 from ciders.errors import CidersError
-from ciders.federation.rundir import RunDir
 
 
 def flat(s) -> dict:
@@ -13,19 +13,19 @@ def flat(s) -> dict:
             **{f"y/{k}": v.detach().cpu().contiguous() for k, v in s.y.items()}}
 
 
-def load_checkpoint(rd: RunDir, t: int, s0):
-    """(state, totals, last eval) of committed round t, on the devices of `s0` (the initial state). Meta
-    "ref_norm" ({"x": ||x_0||, "y": ||y_0||, "xy": ||(x_0, y_0)||}, the step bound's references; floats, exact
-    through JSON) is absent in checkpoints written before the bound had fixed references: they become the norms of
-    the x and y the checkpoint holds (the bound of the round resumed, as the old rule had it), fixed from then on."""
+def from_record(tensors: dict, meta: dict, s0, what: str = "the checkpoint"):
+    """(state, totals, last eval) of a checkpoint (`RunDir.load_checkpoint`), on the devices of `s0` (the initial
+    state). Meta "ref_norm" ({"x": ||x_0||, "y": ||y_0||, "xy": ||(x_0, y_0)||}, the step bound's references;
+    floats, exact through JSON) is absent in checkpoints written before the bound had fixed references: they
+    become the norms of the x and y the checkpoint holds (the bound of the round resumed, as the old rule had it),
+    fixed from then on."""
     from ciders.algorithms.rabo import BilevelState, ref_norms
 
-    tensors, meta = rd.load_checkpoint(t)
     try:
         x = {k: tensors[f"x/{k}"].to(v.device) for k, v in s0.x.items()}
         y = {k: tensors[f"y/{k}"].to(v.device) for k, v in s0.y.items()}
     except KeyError as exc:
-        raise CidersError(f"{rd.root}: the checkpoint of round {t} lacks {exc}; the run directory is damaged") from exc
+        raise CidersError(f"{what} lacks {exc}; the run directory is damaged") from exc
     ref = meta.get("ref_norm")
     ref = ref_norms(x, y) if ref is None else {k: float(ref[k]) for k in ("x", "y", "xy")}
     return BilevelState(int(meta["round"]), x, y, ref), meta["totals"], meta["eval"]

@@ -54,5 +54,6 @@ def run_bilevel(exp, task, out: str | Path, log: Callable[[str], None] = print, 
     it (episodes and masks depend only on the seed, the round and the state, so a resumed run equals an
     uninterrupted one)."""
     with locked(out):  # the run directory is this process's until the run ends (`rundir.start_run`)
-        server = BilevelServer(exp, task, log=log, out=out, resume=resume)
-        return run_rounds(server, exchange or in_process(exp, task, faults), exp.federation.rounds, faults)
+        server = BilevelServer(exp, task, log=log, out=out)
+        return run_rounds(server, exchange or in_process(exp, task, faults), exp.federation.rounds, faults,
+                          resume=resume)

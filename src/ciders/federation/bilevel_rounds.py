@@ -36,7 +36,8 @@ from ciders.core import masks as mk
 from ciders.core import submodel as sm
 from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
-from ciders.federation.bilevel_codec import decode_reply, encode_message
+from ciders.federation.bilevel_codec import decode_reply, encode_message, from_record
+from ciders.federation.rundir import RunDir
 from ciders.federation.exchange import client_id, client_index
 
 REF_XY = "||(x_0, y_0)||"  # how a local baseline's rejection names its bound's reference
@@ -89,9 +90,10 @@ class BilevelServer:
     totals summary.json reports and the last evaluation; every other attribute is fixed for the run. Without
     `out` it is the bare server step by step (`begin`, `down`, `absorb`, `close_round`), as the tests drive it."""
 
-    def __init__(self, exp, task, log: Callable[[str], None] = print, out=None, resume: bool = False):
+    def __init__(self, exp, task, log: Callable[[str], None] = print, out=None):
         self.exp, self.cfg, self.task, self.log = exp, exp.rabo, task, log
-        self.federation = exp.federation
+        self.experiment, self.extends_rounds = exp, False
+        self.run = None if out is None else RunDir(out)
         x0, y0 = task.initial()
         self.state = rb.init_state(x0, y0)
         self.caps = task.clients()
@@ -104,24 +106,12 @@ class BilevelServer:
         nbytes = {k: sum(v.numel() * v.element_size() for v in getattr(self.state, k).values()) for k in "xy"}
         self.full = {"down": nbytes["x"] + 2 * nbytes["y"], "up": nbytes["y"] + nbytes["x"]}  # FedMBO's, per round
         self.totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
-        self.ev, self.sent, self.fresh = {}, {}, True
-        if out is not None:
-            self._open(out, resume)
+        self.ev, self.sent = {}, {}
 
-    def _open(self, out, resume: bool) -> None:
-        """The run directory (`rundir.start_run`): a fresh run, or the state, totals and last evaluation of the
-        committed round."""
-        from ciders.federation.bilevel_codec import load_checkpoint
-        from ciders.federation.ledger import open_ledger
-        from ciders.federation.rundir import RunDir, start_run
-
-        self.run = run = RunDir(out)
-        committed = start_run(run, self.exp, resume, self.log)
-        if committed is not None:
-            self.state, self.totals, self.ev = load_checkpoint(run, committed, self.state)
-            self.log(f"{run.root}: resuming after round {committed}")
-        self.fresh = committed is None
-        self.ledger = open_ledger(self.exp, run, committed, self.ids, self.log)
+    def from_record(self, t: int, tensors: dict, meta: dict) -> None:
+        """A resumed run: the state, totals and last evaluation of committed round t's checkpoint."""
+        self.state, self.totals, self.ev = from_record(tensors, meta, self.state, f"the checkpoint of round {t}")
+        self.log(f"{self.run.root}: resuming after round {t}" if self.run else f"resuming after round {t}")
 
     @property
     def first_round(self) -> int:

@@ -74,7 +74,7 @@ def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> 
     if exchange is None and cfg.federation.partition == "nodes":
         raise ConfigError("federation.partition=nodes: the clients' data lives on their SuperNodes (data-file); run "
                           "it on a Flower deployment (`ciders flower launch` / `loopback`), not in-process")
-    co = Coordinator(cfg, task, out, resume=resume, log=log, engine="local" if exchange is None else "remote")
+    co = Coordinator(cfg, task, out, log=log, engine="local" if exchange is None else "remote")
     cfg, fed = co.cfg, co.cfg.federation
     faults = faults or Faults()
     bars = _RoundBars(progress, fed.rounds, cfg.algorithm.method)
@@ -91,7 +91,8 @@ def _run_federation(cfg, task, out, resume, faults, log, progress, exchange) -> 
         exchange = InProcess(client, faults, corrupt=lambda up: _nan_upload(up, co.ref), on_reply=bars.reply)
 
     try:
-        return run_rounds(co, exchange, fed.rounds, faults, progress=lambda t, phase: bars.phase(t, phase, co))
+        return run_rounds(co, exchange, fed.rounds, faults, progress=lambda t, phase: bars.phase(t, phase, co),
+                          resume=resume)
     finally:
         bars.close()
 

@@ -3,7 +3,7 @@ gives it (`Strategy`). The families' runs: `federation.ciders_loop.run_federatio
 `federation.bilevel_loop.run_bilevel` (`ciders bilevel CONFIG`); the Flower ServerApp passes either its own
 transport.
 
-The loop owns what every run does the same way: admitting replies (`exchange.admit`), counting bytes
+The loop owns what every run does the same way: the run directory (start, resume), admitting replies (`exchange.admit`), counting bytes
 (`ledger.Traffic`), writing records through metrics.jsonl and the sinks, the evaluation schedule
 (`federation.evaluates`), and each round's checkpoint and commit (`ledger.Ledger`). A strategy holds the
 method: its state (explicit, replaced phase by phase), its messages and its server steps.
@@ -21,8 +21,8 @@ from typing import Any, Callable, Protocol
 
 from ciders.federation.exchange import Admitted, Exchange, admit
 from ciders.federation.inprocess import Faults, SimulatedCrash
-from ciders.federation.ledger import Ledger, Traffic
-from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clients, summarize
+from ciders.federation.ledger import Ledger, Traffic, open_ledger
+from ciders.federation.rundir import MIB, RunDir, check_same_config, sample_clients, start_run, summarize
 
 # the run directory lives in federation.rundir, the faults in federation.inprocess; these names stay importable here
 __all__ = ["MIB", "Faults", "RunDir", "SimulatedCrash", "Strategy", "check_same_config", "run_rounds",
@@ -35,12 +35,16 @@ class Strategy(Protocol):
     does the same way is the loop's, not the strategy's: counting bytes, admitting replies, writing records,
     the evaluation schedule, checkpoint and commit."""
 
+    experiment: Any  # the run's whole config (config.yaml); its `federation` section is the loop's
+    run: RunDir
+    ids: list[str]  # the registered clients (the sinks summarize per-client figures over them)
+    log: Callable[[str], None]
+    extends_rounds: bool  # a resume may raise federation.rounds (`rundir.check_same_config`)
     first_round: int  # the round after the last committed one (0 for a fresh run)
-    fresh: bool  # nothing committed yet: the loop starts with round -1 (`prepare`, the first evaluation)
-    federation: Any  # the run's federation section (`config.federation.RunFederation`)
-    ledger: Ledger
+    ledger: Ledger  # given by run_rounds
 
     def prepare(self) -> list[dict]: ...
+    def from_record(self, t: int, tensors: dict, meta: dict) -> None: ...
     def begin(self, t: int) -> None: ...
     def phases(self, t: int) -> tuple[str, ...]: ...
     def configure(self, phase: str, t: int) -> dict[str, bytes]: ...
@@ -55,10 +59,13 @@ class Strategy(Protocol):
 
 
 def run_rounds(strategy: Strategy, exchange: Exchange, rounds: int, faults: Faults | None = None,
-               progress: Callable[[int, str], None] | None = None) -> dict:
+               progress: Callable[[int, str], None] | None = None, resume: bool = False) -> dict:
     """The round loop of every method on every engine, top to bottom:
 
-        [round -1, a fresh run: prepare(), evaluate(-1), records, checkpoint + commit]
+        start the run directory (`rundir.start_run`: a committed run continues only with `resume`, with the same
+        config), open the ledger
+        [a fresh run: round -1, prepare(), evaluate(-1), records, checkpoint + commit]
+        [a resumed run: from_record(the last committed round's checkpoint)]
         for each round t not yet committed:
             begin(t)                                       sampling, masks
             for each phase of the round:
@@ -70,8 +77,12 @@ def run_rounds(strategy: Strategy, exchange: Exchange, rounds: int, faults: Faul
 
     `faults` names crash points for the tests (client:<k> inside the in-process transport, the strategy's own
     points, checkpoint, commit)."""
-    faults, led, fed = faults or Faults(), strategy.ledger, strategy.federation
-    if strategy.fresh:
+    faults, fed = faults or Faults(), strategy.experiment.federation
+    committed = start_run(strategy.run, strategy.experiment, resume, strategy.log, strategy.extends_rounds)
+    led = strategy.ledger = open_ledger(strategy.experiment, strategy.run, committed, strategy.ids, strategy.log)
+    if committed is not None:
+        strategy.from_record(committed, *strategy.run.load_checkpoint(committed))
+    else:
         recs = strategy.prepare()
         if fed.evaluates(-1):
             recs.append(led.evaluation(-1, strategy.evaluate(-1)))
@@ -96,10 +107,8 @@ def run_rounds(strategy: Strategy, exchange: Exchange, rounds: int, faults: Faul
             recs.append(led.evaluation(t, strategy.evaluate(t)))
         _end(strategy, t, recs, "seconds", lambda: faults.maybe_crash(t, "checkpoint"))
         faults.maybe_crash(t, "commit")
-    try:
-        return strategy.close()
-    finally:
-        led.close()
+    led.close()  # only after a whole run: an MLflow run is marked finished
+    return strategy.close()
 
 
 def _end(strategy: Strategy, t: int, recs: list[dict], key: str, before_checkpoint=lambda: None) -> None:

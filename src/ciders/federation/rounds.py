@@ -32,9 +32,9 @@ from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
 from ciders.federation import console, dp, records
 from ciders.federation.exchange import Admitted, Reply
-from ciders.federation.ledger import Traffic, open_ledger
+from ciders.federation.ledger import Traffic
 from ciders.federation.secure_rounds import SecurePhases, load_version
-from ciders.federation.rundir import RunDir, sample_clients, start_run, summarize
+from ciders.federation.rundir import RunDir, sample_clients, summarize
 from ciders.errors import CidersError
 from ciders.fileio import write_json
 from ciders import phases as timing
@@ -167,58 +167,62 @@ class Coordinator:
     """The CIDERS family's strategy (`federation.loop.Strategy`; one per run directory). Its state is explicit:
     `state` (RunState, what the last commit holds) and `round` (InFlight, the round between begin and commit);
     every other attribute is fixed for the run (config, task, stores, ids, the ledger). A fresh run's round -1
-    (`prepare`) pre-aligns B_L; a resumed one drops what a crashed round left and reloads the committed
-    checkpoint."""
+    (`prepare`) pre-aligns B_L; a resumed one (`from_record`) drops what a crashed round left in the stores and
+    takes the committed checkpoint."""
 
-    def __init__(self, cfg: ExperimentConfig, task, out: str | Path, resume: bool = False,
-                 log: Callable[[str], None] = console.info, engine: str = "local"):
-        given, cfg = cfg, algorithms.configure(cfg)
-        self.cfg, self.task, self.log = cfg, task, log
-        self.federation = fed = cfg.federation
-        self.run = run = RunDir(out)
-        committed = start_run(run, cfg, resume, log, extend_rounds=True)  # a resume may add rounds
-        if committed is None:
-            for line in algorithms.changes(given, cfg):
-                log(f"{cfg.algorithm.method} sets {line}")
-        start = committed if committed is not None else -1
-        # in-process, the engine reads client records from run/clients; on Flower they live on the clients
-        self.clients_store = RoundStore(run.root / "clients", start, fed.store_cache) if engine == "local" else None
-        self.server_store = RoundStore(run.root / "server", start, fed.store_cache)
+    def __init__(self, cfg: ExperimentConfig, task, out: str | Path, log: Callable[[str], None] = console.info,
+                 engine: str = "local"):
+        self.given, cfg = cfg, algorithms.configure(cfg)
+        self.cfg = self.experiment = cfg
+        self.task, self.log, self.engine = task, log, engine
+        self.federation = cfg.federation
+        self.run = RunDir(out)
+        self.extends_rounds = True  # a resume may add rounds (the lr schedule follows: rundir.SCHEDULES)
         self.sizes = task.clients()
         self.ids = sorted(self.sizes)
         self.ref = task.initial_messenger()  # the messenger's keys, shapes, dtypes and device
         self.static = set(getattr(task, "static_extra", lambda: ())())
-        self.round: InFlight | None = None
         # secure aggregation's phases around train, when the config asks for them
-        self.secure = SecurePhases(cfg, self.sizes, self.ref, log) if fed.secure_aggregation else None
-        self.ledger = open_ledger(cfg, run, committed, self.ids, log)
-        self.fresh, self._initial = committed is None, None
-        self.state = None if committed is None else self._resumed(committed)
+        self.secure = SecurePhases(cfg, self.sizes, self.ref, log) if cfg.federation.secure_aggregation else None
+        self.state: RunState | None = None  # set by prepare (a fresh run) or from_record (a resumed one)
+        self.round: InFlight | None = None
+        self._initial = None
+        self.clients_store = self.server_store = None
+
+    def _open_stores(self, start: int) -> None:
+        # in-process, the engine reads client records from run/clients; on Flower they live on the clients
+        fed, root = self.cfg.federation, self.run.root
+        self.clients_store = RoundStore(root / "clients", start, fed.store_cache) if self.engine == "local" else None
+        self.server_store = RoundStore(root / "server", start, fed.store_cache)
 
     def prepare(self) -> list[dict]:
         """Round -1 of a fresh run: the task's initial extras (TAKD pre-alignment of B_L) and the initial state."""
+        for line in algorithms.changes(self.given, self.cfg):
+            self.log(f"{self.cfg.algorithm.method} sets {line}")
+        self._open_stores(-1)
         extra_t, extra_m, pre_metrics = self.task.initial_extra()
         self._initial = (extra_t, extra_m)  # checkpointed as built
         self.state = RunState(-1, alg.init_server(self.ref, self.cfg.federation.rounds),
                               self.task.extra_from_record(extra_t, extra_m), frozenset())
         return [{"event": "prealign", "round": -1, **pre_metrics}]
 
-    def _resumed(self, committed: int) -> RunState:
+    def from_record(self, committed: int, tensors: dict, meta: dict) -> None:
+        """A resumed run: the stores drop what the interrupted round wrote; the state is the checkpoint's."""
         self.log(f"resuming {self.run.root} after round {committed}")
+        self._open_stores(committed)
         n = self.server_store.recover(committed)
         if self.clients_store is not None:
             n += self.clients_store.recover(committed)
         if n:
             self.log(f"  removed {n} records of the interrupted round {committed + 1}")
-        tensors, meta = self.run.load_checkpoint(committed)
         server = codec.server_from_record({k: v for k, v in tensors.items() if not k.startswith("extra/")},
                                           meta["server"])
         extra = self.task.extra_from_record({k[6:]: v for k, v in tensors.items() if k.startswith("extra/")},
                                             meta["extra"])
         # a resume that extends federation.rounds: the lr schedule is over the new total (rundir.SCHEDULES)
         server = replace(server, total_rounds=self.cfg.federation.rounds)
-        return RunState(committed, _to_device(server, self.ref), extra, frozenset(meta.get("contacted", [])),
-                        tuple(tuple(e) for e in meta.get("excluded", [])))
+        self.state = RunState(committed, _to_device(server, self.ref), extra, frozenset(meta.get("contacted", [])),
+                              tuple(tuple(e) for e in meta.get("excluded", [])))
 
     # ------------------------------------------------------------------ helpers
     @property
