@@ -160,7 +160,7 @@ def test_a_malformed_reply_is_rejected_and_changes_nothing(tmp_path, bad, why):
     logs = []
     run_bilevel(exp, task, tmp_path / "bad", log=logs.append, exchange=tamper)
     run_bilevel(exp, task, tmp_path / "lost", log=lambda s: None, exchange=in_process(exp, task, Faults(drop={(1, "outer", "client2")})))
-    assert any("rejected the reply of client2" in line and why in line for line in logs), logs
+    assert any("rejected client2" in line and why in line for line in logs), logs
     assert (tmp_path / "bad" / "final.safetensors").read_bytes() == (tmp_path / "lost" / "final.safetensors").read_bytes()
 
 

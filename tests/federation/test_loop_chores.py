@@ -224,3 +224,10 @@ def test_a_resumed_rabo_run_reports_what_an_uninterrupted_one_does(tmp_path):
     resumed = run_bilevel(exp, QuadTask(), tmp_path / "cut", log=lambda s: None, resume=True)
     assert {k: v for k, v in whole.items() if k != "seconds"} == {k: v for k, v in resumed.items() if k != "seconds"}
     assert read_jsonl(tmp_path / "whole" / "metrics.jsonl") == read_jsonl(tmp_path / "cut" / "metrics.jsonl")
+
+
+def test_both_families_log_a_rejected_reply_in_one_form():
+    from ciders.federation.console import rejected
+
+    assert rejected(3, "train", "client1", "NaN in dc") == "round 3 train: rejected client1: NaN in dc"
+    assert len(rejected(0, "inner", "x" * 10_000, "why")) < 100  # a hostile id is cut

@@ -37,6 +37,7 @@ from ciders.core import submodel as sm
 from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
 from ciders.federation.bilevel_codec import decode_reply, encode_message, from_record
+from ciders.federation import console
 from ciders.federation.rundir import RunDir
 from ciders.federation.exchange import client_id, client_index
 
@@ -187,7 +188,7 @@ class BilevelServer:
                 used.append(m)
             except PayloadError as exc:
                 rejected[i] = str(exc)
-                self.log(f"round {self.state.round} {phase}: rejected the reply of {i}: {exc}")
+                self.log(console.rejected(self.state.round, phase, i, exc))
         base = self.state if phase == "inner" or self.round.mid is None else self.round.mid
         step = rb.server_inner if phase == "inner" else rb.server_outer
         nxt, st = step(self.cfg, base, vals, used) if vals else (None, {})
@@ -226,7 +227,7 @@ class BilevelServer:
                 ys.append(comps["y"])
             except PayloadError as exc:
                 rejected[i] = str(exc)
-                self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
+                self.log(console.rejected(s.round, "local", i, exc))
         nxt = replace(s, round=s.round + 1)
         if xs:
             w = [1.0] * len(xs)
@@ -260,7 +261,7 @@ class BilevelServer:
                 used.append(m)
             except PayloadError as exc:
                 rejected[i] = str(exc)
-                self.log(f"round {s.round} local: rejected the reply of {i}: {exc}")
+                self.log(console.rejected(s.round, "local", i, exc))
         nxt, st = replace(s, round=s.round + 1), {"covering_x": 0, "covering_y": 0, "trained_x": 0.0,
                                                   "trained_y": 0.0}
         if dxs:
@@ -308,7 +309,7 @@ class BilevelServer:
         """The server step over the admitted replies whose client record fits (`client_record`; one that does not
         rejects the reply) -> the records of the clients whose reply the step took, as the server composes them."""
         for who, why in got.refused.items():
-            self.log(f"round {q} {phase}: refused the reply of {who}: {why}")
+            self.log(console.rejected(q, phase, who, why))
         for r in got.others:
             self.log(f"round {q} {phase}: a {r.kind} delivery from {str(r.client_id)[:64]} is not part of the round: "
                      "ignored")
@@ -319,7 +320,7 @@ class BilevelServer:
                                                   len(r.payload))
                 payloads[r.client_id] = r.payload
             except PayloadError as exc:
-                self.log(f"round {q} {phase}: rejected the reply of {r.client_id}: {exc}")
+                self.log(console.rejected(q, phase, r.client_id, exc))
         rejected = self.absorb(phase, payloads)
         out = []
         for i in (c for c in self.ids if c in payloads):

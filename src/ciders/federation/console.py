@@ -35,6 +35,11 @@ def round_label(t: int, rounds: int) -> str:
     return f"round {t}/{rounds - 1}"
 
 
+def rejected(t: int, phase: str, who: str, why: str) -> str:
+    """The one log line of a reply the server refused, in every family and phase."""
+    return f"round {t} {phase}: rejected {str(who)[:64]}: {why}"
+
+
 def quiet(on: bool = True) -> None:
     """Turn every progress bar of this process off (`ciders run --quiet`), or back to automatic."""
     _bars["off"] = on

@@ -335,7 +335,7 @@ class Coordinator:
         if checked.rejected:
             sm["rejected"] = {**sm["rejected"], **checked.rejected}
             for who, why in checked.rejected.items():
-                self.log(f"round {t}: rejected upload from {who}: {why}")
+                self.log(console.rejected(t, phase, who, why))
         self._after_server(t, server, sm, checked, contacted, tuple(u.client_id for u in checked.uploads), mark)
         return checked.client_records
 

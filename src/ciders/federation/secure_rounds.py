@@ -21,7 +21,7 @@ from typing import Callable
 
 from ciders.algorithms import ciders as alg
 from ciders.core.store import RoundStore
-from ciders.federation import codec, dp, secure
+from ciders.federation import codec, console, dp, secure
 from ciders.federation.exchange import Admitted
 from ciders import phases as timing
 
@@ -164,4 +164,4 @@ class SecurePhases:
 
     def _note(self, t: int, phase: str, rejected: dict) -> None:
         for who, why in rejected.items():
-            self.log(f"round {t}: {phase}: rejected {who}: {why}")
+            self.log(console.rejected(t, phase, who, why))
