@@ -44,8 +44,6 @@ from ciders.federation.exchange import client_id, client_index
 REF_XY = "||(x_0, y_0)||"  # how a local baseline's rejection names its bound's reference
 
 
-
-
 def _ones(st: dict) -> dict:
     return {k: torch.ones_like(v) for k, v in st.items()}
 

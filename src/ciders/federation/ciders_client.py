@@ -114,8 +114,6 @@ def client_report(store: RoundStore, cid: str) -> bytes:
     return wire.encode({"personalized": pers}, {"client_id": cid})[0]  # a None component is left out
 
 
-
-
 def _on_device(s: alg.ClientState | None, cid: str, ref: dict) -> alg.ClientState:
     """A client's saved state on the messenger's device (a fresh one if it never trained)."""
     if s is None:

@@ -427,8 +427,6 @@ class Coordinator:
 # ---------------------------------------------------------------------------------------------- state moves
 
 
-
-
 def _to_device(s: alg.ServerState, ref: dict) -> alg.ServerState:
     return codec.server_to(s, device_of(ref))  # every field, the server optimizer's moments included
 
