@@ -296,7 +296,6 @@ class BilevelServer:
 
     def configure(self, phase: str, q: int) -> dict[str, bytes]:
         msgs = {i: self.down(phase, i) for i in self.participants(phase)}
-        self.totals["bytes_down"] += sum(len(m) for m in msgs.values())
         self.sent = {i: len(m) for i, m in msgs.items()}  # this phase's downlink bytes per client
         return msgs
 
@@ -335,7 +334,9 @@ class BilevelServer:
         return out
 
     def finish(self, q: int, traffic) -> list[dict]:
-        """The round's record; its state becomes the state (what `evaluate` and `to_record` read)."""
+        """The round's record; its state becomes the state (what `evaluate` and `to_record` read). The run's
+        downlink total is the loop's count; its uplink total counts the replies the server step took."""
+        self.totals["bytes_down"] += sum(traffic.down.values())
         return [{"event": "round", "round": q, **self.close_round(), "full_bytes_per_client": self.full,
                  "bytes_down": dict(traffic.down), "bytes_up": dict(traffic.up)}]
 
