@@ -3,10 +3,10 @@ gives it (`Strategy`). The families' runs: `federation.ciders_loop.run_federatio
 `federation.bilevel_loop.run_bilevel` (`ciders bilevel CONFIG`); the Flower ServerApp passes either its own
 transport.
 
-The loop owns what every run does the same way: the run directory (start, resume), admitting replies (`exchange.admit`), counting bytes
-(`ledger.Traffic`), writing records through metrics.jsonl and the sinks, the evaluation schedule
-(`federation.evaluates`), and each round's checkpoint and commit (`ledger.Ledger`). A strategy holds the
-method: its state (explicit, replaced phase by phase), its messages and its server steps.
+The loop owns what every run does the same way: the run directory (start, resume), admitting replies
+(`exchange.admit`), counting bytes (`ledger.Traffic`), writing records through metrics.jsonl and the sinks, the
+evaluation schedule (`federation.evaluates`), and each round's checkpoint and commit (`ledger.Ledger`). A strategy
+holds the method: its state (explicit, replaced phase by phase), its messages and its server steps.
 
 Crash safety: everything a round writes is tagged with its round; the round is committed by one atomic
 write of checkpoints/LATEST. `--resume` deletes what a crashed round left behind, truncates
@@ -32,8 +32,8 @@ __all__ = ["MIB", "Faults", "RunDir", "SimulatedCrash", "Strategy", "check_same_
 class Strategy(Protocol):
     """One method family's server, driven by `run_rounds` with Flower's verbs over explicit state (CIDERS:
     `federation.rounds.Coordinator`; RABO family: `federation.bilevel_rounds.BilevelServer`). What every run
-    does the same way is the loop's, not the strategy's: counting bytes, admitting replies, writing records,
-    the evaluation schedule, checkpoint and commit."""
+    does the same way is the loop's, not the strategy's: the run directory, counting bytes, admitting replies,
+    writing records, the evaluation schedule, checkpoint and commit."""
 
     experiment: Any  # the run's whole config (config.yaml); its `federation` section is the loop's
     run: RunDir

@@ -106,10 +106,10 @@ def check_uploads(acfg, ref: dict, known_ids, t: int, sampled: tuple, got: Admit
     errors, replies the transport could not accept, replies from clients not sampled this round and second
     replies): this round's replies (in sampling order: sums are order-sensitive), uploads delayed from earlier
     rounds (kind "late", first) and duplicated deliveries (kind "copy", last). A metrics record that does not fit
-    its schema (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes (or is not
-    finite), an upload that claims another client's id and an unknown client id are rejected with the reason;
-    none of them reaches the server update. The server's own record fields (event, round, client, bytes) are
-    written after the client's; `down_by` holds the bytes each client was sent this round."""
+    its schema (`federation.records`), a payload that does not decode against the messenger's shapes and dtypes
+    (or is not finite), an upload that claims another client's id and an unknown client id are rejected with the
+    reason; none of them reaches the server update. The server's own record fields (event, round, client, bytes)
+    are written after the client's; `down_by` holds the bytes each client was sent this round."""
     rejected: dict[str, str] = dict(got.refused)
     recs, ok, order = [], [], {cid: j for j, cid in enumerate(sampled)}
     for r in sorted(got.replies, key=lambda r: order[r.client_id]):
