@@ -36,7 +36,7 @@ from ciders.core import masks as mk
 from ciders.core import submodel as sm
 from ciders.core.tensors import device_of
 from ciders.core.wire import PayloadError
-from ciders.federation.bilevel_codec import decode_reply, encode_message, from_record
+from ciders.federation.bilevel_codec import decode_reply, encode_message, flat, from_record
 from ciders.federation import console
 from ciders.federation.rundir import RunDir
 from ciders.federation.exchange import client_id, client_index
@@ -346,8 +346,6 @@ class BilevelServer:
         return self.ev
 
     def to_record(self) -> tuple[dict, dict]:
-        from ciders.federation.bilevel_codec import flat
-
         s = self.state
         return flat(s), {"round": s.round, "ref_norm": s.ref, "totals": self.totals, "eval": self.ev}
 
@@ -357,7 +355,6 @@ class BilevelServer:
     def close(self) -> dict:
         from safetensors.torch import save_file
 
-        from ciders.federation.bilevel_codec import flat
         from ciders.fileio import atomic_path, write_json
 
         with atomic_path(self.run.root / "final.safetensors") as tmp:
