@@ -80,6 +80,7 @@ class BilevelRound:
     mid: rb.BilevelState | None = None
     next: rb.BilevelState | None = None
     stats: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)  # the phase's downlink bytes per client
 
 
 class BilevelServer:
@@ -105,12 +106,13 @@ class BilevelServer:
         nbytes = {k: sum(v.numel() * v.element_size() for v in getattr(self.state, k).values()) for k in "xy"}
         self.full = {"down": nbytes["x"] + 2 * nbytes["y"], "up": nbytes["y"] + nbytes["x"]}  # FedMBO's, per round
         self.totals = {"seconds": 0.0, "calls": 0, "op_estimate": 0.0, "bytes_up": 0, "bytes_down": 0}
-        self.ev, self.sent = {}, {}
+        self.ev = {}
 
     def from_record(self, t: int, tensors: dict, meta: dict) -> None:
         """A resumed run: the state, totals and last evaluation of committed round t's checkpoint."""
-        self.state, self.totals, self.ev = from_record(tensors, meta, self.state, f"the checkpoint of round {t}")
-        self.log(f"{self.run.root}: resuming after round {t}" if self.run else f"resuming after round {t}")
+        where = f"{self.run.root}: " if self.run is not None else ""
+        self.state, self.totals, self.ev = from_record(tensors, meta, self.state, f"{where}the checkpoint of round {t}")
+        self.log(f"{where}resuming after round {t}")
 
     @property
     def first_round(self) -> int:
@@ -296,7 +298,7 @@ class BilevelServer:
 
     def configure(self, phase: str, q: int) -> dict[str, bytes]:
         msgs = {i: self.down(phase, i) for i in self.participants(phase)}
-        self.sent = {i: len(m) for i, m in msgs.items()}  # this phase's downlink bytes per client
+        self.round = replace(self.round, sent={i: len(m) for i, m in msgs.items()})
         return msgs
 
     def count(self, direction: str, phase: str, cid: str, msg: bytes) -> dict:
@@ -313,8 +315,8 @@ class BilevelServer:
         payloads, recs = {}, {}
         for r in got.replies:
             try:
-                recs[r.client_id] = client_record(self, phase, r.client_id, r.record, self.sent.get(r.client_id, 0),
-                                                  len(r.payload))
+                recs[r.client_id] = client_record(self, phase, r.client_id, r.record,
+                                                  self.round.sent.get(r.client_id, 0), len(r.payload))
                 payloads[r.client_id] = r.payload
             except PayloadError as exc:
                 self.log(console.rejected(q, phase, r.client_id, exc))

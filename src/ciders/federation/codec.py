@@ -15,6 +15,7 @@ from ciders.algorithms.ciders import (Broadcast, ClientState, Pending, ServerCop
                                       with_ref)
 from ciders.core import server_opt as so
 from ciders.core.tensors import State, norm
+from ciders.runtime import DTYPES
 
 
 ADAPTERS = ("student",)  # the downlink extras that travel in federation.adapter_dtype, beside the messenger
@@ -24,8 +25,6 @@ def wire_dtype(st: dict, name: str) -> dict:
     """`st` with its floating-point tensors in dtype `name` (federation.adapter_dtype; "model": unchanged)."""
     if name == "model":
         return st
-    from ciders.runtime import DTYPES
-
     dt = DTYPES[name]
     return {k: v.to(dt) if v.is_floating_point() else v for k, v in st.items()}
 

@@ -54,7 +54,7 @@ def admit(replies: list[Reply], sent: Iterable[str], phase: str, t: int) -> Admi
     accept, a reply from a client that was sent no message this phase and a second reply from the same client are
     refused (with why); nothing refused reaches a server step."""
     sent = set(sent)
-    ok, others, refused, failed = [], [], {}, set()
+    ok, others, refused, failed, seen = [], [], {}, set(), set()
     for r in replies:
         if r.error is not None:
             refused[r.client_id] = f"client error: {str(r.error)[:200]}"
@@ -65,10 +65,11 @@ def admit(replies: list[Reply], sent: Iterable[str], phase: str, t: int) -> Admi
             others.append(r)
         elif r.client_id not in sent:
             refused[str(r.client_id)[:64]] = f"a reply from a client sent no {phase} message in round {t}"
-        elif any(o.client_id == r.client_id for o in ok):
+        elif r.client_id in seen:
             refused[r.client_id] = f"a second {phase} reply in round {t}"
         else:
             ok.append(r)
+            seen.add(r.client_id)
     return Admitted(tuple(ok), tuple(others), refused, frozenset(failed))
 
 

@@ -175,7 +175,6 @@ class Coordinator:
         self.given, cfg = cfg, algorithms.configure(cfg)
         self.cfg = self.experiment = cfg
         self.task, self.log, self.engine = task, log, engine
-        self.federation = cfg.federation
         self.run = RunDir(out)
         self.extends_rounds = True  # a resume may add rounds (the lr schedule follows: rundir.SCHEDULES)
         self.sizes = task.clients()
@@ -262,7 +261,7 @@ class Coordinator:
             return self.secure.phases
         # in a private mode the personalized messengers stay on the clients (docs/privacy.md); without client
         # learning (takd-only) there are none to report
-        report = (self.federation.evaluates(t) and not dp.private_records(self.cfg)
+        report = (self.cfg.federation.evaluates(t) and not dp.private_records(self.cfg)
                   and self.cfg.algorithm.client_learning)
         return ("train", "report") if report else ("train",)
 
@@ -328,7 +327,8 @@ class Coordinator:
         copies = {u.client_id: _load_copy(self.server_store, u.client_id, self.ref) for u in checked.uploads}
         with timing.phase("aggregation"):
             server, new_copies, sm = alg.server_update(acfg, rnd.next.server, checked.uploads, copies, self.sizes,
-                                                       self.federation.max_step_ratio, dp.server_privacy(self.cfg, t))
+                                                       self.cfg.federation.max_step_ratio,
+                                                       dp.server_privacy(self.cfg, t))
         for cid, cp in new_copies.items():
             if cp is not copies[cid]:
                 self.server_store.put(cid, t, *codec.copy_record(cp))
